@@ -1,0 +1,1 @@
+"""Machine topologies, device meshes, collective scopes and parallel strategies as sharding rules."""

@@ -1,0 +1,118 @@
+"""`microbench`: nccl-tests-style collective sweeps over the machine's fabric levels.
+
+Flags only; the work is in microbench.sweep.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+from absl import app, flags
+
+from meshes.scopes import SCOPES, plan_scopes
+from microbench import collectives, distributed, machine, outputs, run_collectives, sizes, sweep  # noqa: F401 (distributed defines flags)
+from microbench.timing import DTYPES
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_list("collectives", ["all"], f"Collectives to run, or 'all': {', '.join(collectives.NAMES)}.")
+flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPES)}.")
+flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G).")
+flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
+flags.DEFINE_float("step_factor", 2.0, "Multiply the size by this between points (> 1).")
+flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}.")
+flags.DEFINE_integer("iters", 10, "Collectives per timed sample, repeated inside one jitted program.")
+flags.DEFINE_integer("warmup", 1, "Untimed runs of the program (each of --iters collectives) per point.")
+flags.DEFINE_integer("samples", 5, "Timed runs per point: median, min and p99 over these.")
+flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
+flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
+                    " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
+flags.DEFINE_string("outdir", None, "Run folder. Default: runs/<UTC timestamp>.")
+flags.DEFINE_string("resume", None, "Continue the interrupted run in this folder with its recorded flags,"
+                    " skipping points already in its results.jsonl.")
+flags.DEFINE_string("inject_delay", None, "Fault injection RANK:MS: process RANK adds MS to every timed sample.")
+flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process RANK dies before point POINT+1.")
+
+SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "warmup",
+               "samples", "check", "topology", "nodes_per_rack")
+
+
+def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+  if values == ["all"]:
+    return allowed
+  bad = [v for v in values if v not in allowed]
+  if bad or not values:
+    raise app.UsageError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)} or all")
+  return tuple(dict.fromkeys(values))
+
+
+def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] | None:
+  if not text:
+    return None
+  try:
+    rank, value = text.split(":")
+    return int(rank), float(value) * scale
+  except ValueError:
+    raise app.UsageError(f"--{flag}={text!r}: expected RANK:NUMBER, e.g. 1:50") from None
+
+
+def config_from_flags() -> sweep.SweepConfig:
+  try:
+    lo, hi = sizes.parse_size(FLAGS.min_bytes), sizes.parse_size(FLAGS.max_bytes)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if lo < 1 or hi < 1:
+    raise app.UsageError("--min_bytes and --max_bytes must be positive")
+  if lo > hi:
+    raise app.UsageError(f"--min_bytes={FLAGS.min_bytes} is larger than --max_bytes={FLAGS.max_bytes}")
+  if FLAGS.step_factor <= 1 and lo < hi:
+    raise app.UsageError(f"--step_factor={FLAGS.step_factor} must be > 1")
+  for name in ("iters", "samples"):
+    if getattr(FLAGS, name) < 1:
+      raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")
+  if FLAGS.warmup < 0:
+    raise app.UsageError(f"--warmup={FLAGS.warmup} must be >= 0")
+  crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
+  return sweep.SweepConfig(
+      collectives=_choose(FLAGS.collectives, collectives.NAMES, "collective"),
+      scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
+      dtypes=_choose(FLAGS.dtype, tuple(DTYPES), "dtype"),
+      min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
+      iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
+      inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
+      inject_crash=(crash[0], int(crash[1])) if crash else None)
+
+
+def main(argv: list[str]) -> int:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" chatter on every start
+  if FLAGS.resume:
+    _load_resumed_flags(FLAGS.resume)
+  cfg = config_from_flags()
+  try:
+    topology = machine.parse_topology(FLAGS.topology) if FLAGS.topology else None
+  except machine.TopologyError as e:
+    raise app.UsageError(str(e)) from None
+  outdir = FLAGS.resume or FLAGS.outdir or os.path.join(
+      "runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+  flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
+  return run_collectives.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume),
+                                 nodes_per_rack=FLAGS.nodes_per_rack, flag_values=flag_values)
+
+
+def _load_resumed_flags(outdir: str) -> None:
+  """A resumed run repeats the interrupted run's sweep: its flags come from that run's meta.json."""
+  meta = outputs.read_meta(outdir)
+  if meta is None:
+    raise app.UsageError(f"--resume={outdir}: no {outputs.META} there; pass the folder of an earlier run")
+  for name in SWEEP_FLAGS:
+    if name in meta.get("flags", {}):
+      FLAGS[name].value = meta["flags"][name]
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main)

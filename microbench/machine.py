@@ -1,0 +1,80 @@
+"""Devices, topology and mesh for a run: CPU emulation before JAX starts, then the machine as it is."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from meshes.mesh import build_mesh, ordered_devices
+from meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
+
+DEFAULT_CPU_DEVICES = 8
+
+
+def user_chose_cpu_devices() -> bool:
+  return ("xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+          or bool(os.environ.get("JAX_NUM_CPU_DEVICES")))
+
+
+def prepare_cpu_devices(topology: Topology | None, distributed: bool) -> bool:
+  """Before JAX's backend starts: give the CPU backend enough virtual devices to emulate a machine.
+
+  Respects a device count the user chose (XLA_FLAGS / JAX_NUM_CPU_DEVICES) and leaves distributed runs
+  (one launcher-chosen count per process) alone. Only affects the CPU backend, so GPU hosts are unchanged.
+  Returns whether the default was applied.
+  """
+  if distributed or user_chose_cpu_devices():
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_num_cpu_devices", topology.num_devices if topology else DEFAULT_CPU_DEVICES)
+  return True
+
+
+def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topology, Any, str]:
+  """The run's topology, its mesh and a note on where the topology came from."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from microbench.distributed import process_hosts  # pylint: disable=g-import-not-at-top
+
+  devices = ordered_devices()
+  hosts = process_hosts()
+  device_hosts = [hosts[d.process_index] for d in devices]
+  derived, perm = topology_from_hosts(device_hosts, nodes_per_rack)
+  devices = [devices[i] for i in perm]
+  if topology is not None:
+    check_matches(topology, len(devices))
+    note = f"topology {topology} from --topology"
+  elif devices[0].platform == "cpu" and derived.total_nodes == 1 and len(devices) % 2 == 0 and len(devices) > 1:
+    topology = Topology(racks=1, nodes=2, gpus=len(devices) // 2)
+    note = (f"no accelerator: {len(devices)} CPU devices in one process, emulated as {topology}"
+            " (set --topology to change)")
+  else:
+    topology = derived
+    note = f"topology {topology} from {len(hosts)} process(es) on {derived.total_nodes} host(s)"
+  return topology, build_mesh(topology, devices), note
+
+
+def describe(mesh, hosts: list[str]) -> dict[str, Any]:
+  """Everything meta.json says about the machine."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jaxlib  # pylint: disable=g-import-not-at-top
+
+  devs = list(mesh.devices.flat)
+  procs: dict[int, dict[str, Any]] = {}
+  for pos, d in enumerate(devs):
+    p = procs.setdefault(d.process_index, {"process": d.process_index, "host": hosts[d.process_index],
+                                           "devices": []})
+    p["devices"].append({"id": d.id, "kind": d.device_kind, "mesh_position": pos})
+  return {
+      "jax_version": jax.__version__,
+      "jaxlib_version": jaxlib.__version__,
+      "platform": devs[0].platform,
+      "device_kind": devs[0].device_kind,
+      "process_count": jax.process_count(),
+      "device_count": len(devs),
+      "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape),
+               "device_ids": [[[d.id for d in row] for row in plane] for plane in mesh.devices]},
+      "processes": [procs[k] for k in sorted(procs)],
+  }
+
+
+__all__ = ["prepare_cpu_devices", "resolve", "describe", "parse_topology", "TopologyError"]

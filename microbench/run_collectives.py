@@ -1,0 +1,99 @@
+"""A whole `microbench` run: machine set-up, the sweep, its outputs and the exit status."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+from absl import app
+
+from meshes.scopes import plan_scopes
+from meshes.topology import Topology, TopologyError
+from microbench import distributed, machine, outputs, sizes, sweep
+from microbench.timing import DTYPES
+
+# Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
+_DEVICE_BYTES_PER_S = 4
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _device_memory(device) -> int:
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  # CPU devices share host memory.
+  import jax  # pylint: disable=g-import-not-at-top
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  return host // max(1, jax.local_device_count())
+
+
+def _check_memory(cfg: sweep.SweepConfig, mesh) -> None:
+  need = _DEVICE_BYTES_PER_S * cfg.max_bytes
+  have = _device_memory(mesh.devices.flat[0])
+  if need > have:
+    raise app.UsageError(
+        f"--max_bytes={sizes.format_size(cfg.max_bytes)} needs about {sizes.format_size(need)} per device but a "
+        f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {sizes.format_size(have // 4 // 2**20 * 2**20)}")
+
+
+def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
+            nodes_per_rack: int | None, flag_values: dict[str, Any]) -> int:
+  distributed.initialize()
+  emulated = machine.prepare_cpu_devices(topology, flag_values.get("distributed", False))
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    topology, mesh, note = machine.resolve(topology, nodes_per_rack)
+  except TopologyError as e:
+    raise app.UsageError(str(e)) from None
+  _check_memory(cfg, mesh)
+  hosts = distributed.process_hosts()
+  plans = plan_scopes(topology, cfg.scopes)
+  out = outputs.RunOutputs(outdir, enabled=jax.process_index() == 0)
+  previous = outputs.read_results(outdir) if resumed else []
+  done = {sweep.point_key(r) for r in previous}
+  old_meta = (outputs.read_meta(outdir) or {}) if resumed else {}
+  meta = {
+      **machine.describe(mesh, hosts),
+      "topology": topology.as_dict(), "topology_source": note, "cpu_devices_emulated": emulated,
+      "flags": flag_values, "started_at": old_meta.get("started_at", _now()),
+      "resumed_at": old_meta.get("resumed_at", []) + ([_now()] if resumed else []),
+      "scopes": {p.name: {"axes": list(p.axes), "group_size": p.group_size, "num_groups": p.num_groups,
+                          "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
+      "status": "running",
+  }
+  out.write_meta(meta)
+  out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
+  out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
+            f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
+  out.print(f"# {note}")
+  out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
+  if resumed:
+    out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
+  records: list[dict[str, Any]] = []
+  status = "interrupted"
+  try:
+    records = sweep.run_sweep(cfg, mesh, topology, plans, out, done)
+    status = "finished"
+  except KeyboardInterrupt:
+    out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")
+    return 130
+  finally:
+    meta.update(status=status, finished_at=_now(), points_this_run=len(records))
+    out.write_meta(meta)
+    out.close()
+  everything = previous + records
+  out.print()
+  out.print(outputs.summary(everything))
+  wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")
+  errors = [r for r in everything if r["status"] == "error"]
+  skipped = [r for r in everything if r["status"] == "skipped"]
+  out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
+  if skipped:
+    out.print(f"# {len(skipped)} point(s) skipped, see 'reason' in results.jsonl")
+  if errors:
+    out.print(f"# {len(errors)} point(s) failed their HLO check: {errors[0]['reason']}")
+  return 1 if wrong or errors else 0
