@@ -219,7 +219,7 @@ def launcher_code(code: int) -> int:
   return code if code > 0 else 1
 
 
-def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace: float = 5.0,
+def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace: float = 2.0,
              say: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True),
              tail_lines: int = 20, poll: float = 0.05) -> dict[str, JobResult]:
   """Starts every proc, waits, and returns each job's result.
@@ -262,7 +262,8 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
         break
       if timeout and time.monotonic() - start > timeout:
         pending = [j for j in jobs if j not in results]
-        say(f"timeout after {timeout:g} s; stopping job(s) {', '.join(pending) or '-'}")
+        named = [j for j in pending if j]
+        say(f"timeout after {timeout:g} s; stopping " + (f"job(s) {', '.join(named)}" if named else "all ranks"))
         for job in pending:
           stop(jobs[job], grace)
           alive = [p.rank for p in jobs[job] if p.stopped_by_us]
