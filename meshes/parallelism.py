@@ -218,8 +218,10 @@ def describe_placement(par: Parallelism, order: Sequence[str], topology: Topolog
     racks = groups // (topology.gpus * topology.nodes)
     if all(len(set(g)) == 1 for g in nodes):
       where = "inside a node (scale-up)"
-    elif all(len(set(g)) == 1 for g in racks):
-      where = f"across {len(set(nodes[0]))} nodes of a rack"
+    elif topology.racks > 1 and all(len(set(g)) == 1 for g in racks):
+      where = f"across {len(set(nodes[0]))} nodes of one rack (rack-scale)"
+    elif topology.racks == 1:
+      where = f"across {len(set(nodes[0]))} nodes (scale-out)"
     else:
       where = f"across {len(set(nodes[0]))} nodes in {len(set(racks[0]))} racks (scale-out)"
     out[axis] = f"{sizes[axis]} {where}"

@@ -1,0 +1,119 @@
+"""Model families by name: how to build one, feed it, score it and count its FLOPs.
+
+The trainer only talks to `ModelSpec`; adding a model is one entry in `FAMILIES` and one builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from models import data, flops, resnet, transformer, vit
+
+
+class ModelError(ValueError):
+  """Unknown model or size, or a shape override the model can't take; one line saying what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  family: str
+  size: str
+  config: Any
+  kind: str  # "lm" or "image"
+  seq_len: int  # tokens per example (LM) or patches+1 (ViT); 0 for ResNet
+  build: Callable[..., nnx.Module]  # (config, dtype=, rngs=) -> model
+  flops_formula: str
+
+  @property
+  def item_name(self) -> str:
+    return "tokens" if self.kind == "lm" else "images"
+
+  def make(self, dtype: jnp.dtype, seed: int) -> nnx.Module:
+    return self.build(self.config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+  def items_per_step(self, batch: int) -> int:
+    return batch * self.seq_len if self.kind == "lm" else batch
+
+  def batch_spec(self) -> dict[str, tuple[str | None, ...]]:
+    """Logical names of each batch array's dimensions."""
+    if self.kind == "lm":
+      return {"inputs": ("batch", None), "targets": ("batch", None)}
+    return {"images": ("batch", None, None, None), "labels": ("batch",)}
+
+  def make_batch(self, key: jax.Array, batch: int) -> dict[str, jax.Array]:
+    c = self.config
+    if self.kind == "lm":
+      return data.lm_batch(key, batch, self.seq_len, c.vocab_size)
+    return data.image_batch(key, batch, c.image_size, c.channels, c.num_classes)
+
+  def loss(self, model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
+    """Mean cross-entropy, computed in float32 whatever the compute dtype."""
+    if self.kind == "lm":
+      logits, labels = model(batch["inputs"]), batch["targets"]
+    else:
+      logits, labels = model(batch["images"]), batch["labels"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+  def step_flops(self, batch: int) -> float:
+    if self.family in transformer.SIZES:
+      return flops.decoder_step_flops(self.config, batch, self.seq_len)
+    if self.family == "vit":
+      return flops.vit_step_flops(self.config, batch)
+    return flops.resnet_step_flops(self.config, batch)
+
+  def tp_dims(self) -> dict[str, int]:
+    """Dimensions tensor parallelism splits, for a clear error before anything is built."""
+    if self.family == "resnet":
+      return {}
+    b = self.config.block
+    dims = {"attention heads": b.num_heads, "kv heads": b.num_kv_heads, "mlp dim": b.d_ff}
+    if self.kind == "lm":
+      dims["vocab"] = self.config.vocab_size
+    return dims
+
+
+FAMILIES = {
+    "gpt2": tuple(transformer.SIZES["gpt2"]),
+    "llama3": tuple(transformer.SIZES["llama3"]),
+    "vit": tuple(vit.SIZES),
+    "resnet": tuple(resnet.SIZES),
+}
+DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50"}
+
+
+def get_model(family: str, size: str | None = None, layers: int | None = None,
+              seq_len: int | None = None) -> ModelSpec:
+  """The model `family` at `size` (default per family), optionally with fewer/more layers or another
+  sequence length."""
+  if family not in FAMILIES:
+    raise ModelError(f"unknown model {family!r}; choose one of {', '.join(FAMILIES)}")
+  size = (size or DEFAULT_SIZE[family]).lower()
+  if size not in FAMILIES[family]:
+    raise ModelError(f"unknown size {size!r} for {family}; choose one of {', '.join(FAMILIES[family])}")
+  if layers is not None and layers < 1:
+    raise ModelError(f"--layers must be >= 1, got {layers}")
+  if family in transformer.SIZES:
+    cfg = transformer.SIZES[family][size]
+    if layers:
+      cfg = dataclasses.replace(cfg, num_layers=layers)
+    t = seq_len or cfg.max_seq_len
+    if t < 1:
+      raise ModelError(f"--seq_len must be >= 1, got {t}")
+    if cfg.learned_positions and t > cfg.max_seq_len:
+      raise ModelError(f"--seq_len={t} exceeds {family}-{size}'s {cfg.max_seq_len} learned positions")
+    return ModelSpec(family, size, cfg, "lm", t, transformer.Transformer, flops.DECODER_FORMULA)
+  if family == "vit":
+    cfg = vit.SIZES[size]
+    if layers:
+      cfg = dataclasses.replace(cfg, num_layers=layers)
+    return ModelSpec(family, size, cfg, "image", cfg.seq_len, vit.ViT, flops.VIT_FORMULA)
+  if layers:
+    raise ModelError("--layers applies to gpt2, llama3 and vit; resnet has a fixed depth per size")
+  return ModelSpec(family, size, resnet.SIZES[size], "image", 0, resnet.ResNet, flops.RESNET_FORMULA)

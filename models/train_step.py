@@ -1,0 +1,122 @@
+"""Sharded training state and the jitted train step; every sharding comes from the logical-axis rules.
+
+Parameters are created inside `jit` with the rules' shardings as outputs, so a model too big for one
+device is never materialised whole. The optimizer state takes its parameter's sharding (FSDP shards
+it with the weights). The step donates the state so updates happen in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from meshes.parallelism import RULES, LogicalRules, spec_for
+from models.registry import ModelSpec
+
+
+def variable_spec(v: nnx.Variable, rules: LogicalRules = RULES) -> jax.P:
+  """PartitionSpec of a parameter from the dimension names it was created with."""
+  names = v.get_metadata().get("out_sharding")
+  return spec_for(names, rules) if names else jax.P()
+
+
+def state_shardings(state: nnx.State, mesh: jax.sharding.Mesh, rules: LogicalRules = RULES) -> nnx.State:
+  """NamedShardings with the same tree structure as `state` (Variables holding shardings)."""
+  return jax.tree.map(lambda v: v.replace(NamedSharding(mesh, variable_spec(v, rules))), state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything needed to run training steps of one model on one mesh."""
+  spec: ModelSpec
+  mesh: jax.sharding.Mesh
+  dtype: Any
+  tx: optax.GradientTransformation
+  batch: int
+  seed: int = 0
+  rules: LogicalRules = RULES
+
+  def __post_init__(self):
+    with nnx.use_eager_sharding(False):
+      abstract = nnx.eval_shape(lambda: self.spec.make(self.dtype, self.seed))
+    self.graphdef, self.abstract_params, self.abstract_rest = nnx.split(abstract, nnx.Param, ...)
+    self.param_shardings = state_shardings(self.abstract_params, self.mesh, self.rules)
+    self.rest_shardings = state_shardings(self.abstract_rest, self.mesh, self.rules)
+    replicated = NamedSharding(self.mesh, jax.P())
+    abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+    self.opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, s: s, abstract_opt, self.param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    self.batch_shardings = {k: NamedSharding(self.mesh, spec_for(names, self.rules))
+                            for k, names in self.spec.batch_spec().items()}
+    self.state_shardings = (self.param_shardings, self.rest_shardings, self.opt_shardings)
+    self._replicated = replicated
+
+  def context(self):
+    """Mesh and rules active while tracing, so `constrain` in the models resolves names."""
+    mesh, rules = self.mesh, self.rules
+
+    class _Ctx:
+      def __enter__(self):
+        self._m, self._r = jax.set_mesh(mesh), nnx.logical_axis_rules(rules)
+        self._m.__enter__()
+        self._r.__enter__()
+
+      def __exit__(self, *exc):
+        self._r.__exit__(*exc)
+        self._m.__exit__(*exc)
+    return _Ctx()
+
+  @property
+  def num_params(self) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(self.abstract_params))
+
+  def init_state(self) -> tuple[nnx.State, nnx.State, Any]:
+    """(params, rest, opt_state), created sharded on the mesh."""
+    def init():
+      with nnx.use_eager_sharding(False):
+        model = self.spec.make(self.dtype, self.seed)
+      _, params, rest = nnx.split(model, nnx.Param, ...)
+      return params, rest, self.tx.init(params)
+    with self.context():
+      return jax.jit(init, out_shardings=self.state_shardings)()
+
+  def batch_fn(self) -> Callable[[int], dict[str, jax.Array]]:
+    """step -> synthetic batch, generated on the devices and sharded along `batch`."""
+    base = jax.random.key(self.seed + 1)
+    fn = jax.jit(lambda step: self.spec.make_batch(jax.random.fold_in(base, step), self.batch),
+                 out_shardings=self.batch_shardings)
+    return lambda step: fn(jnp.int32(step))
+
+  def step_fn(self) -> Callable:
+    """(params, rest, opt_state, batch) -> (params, rest, opt_state, loss), jitted and donating."""
+    graphdef, spec, tx = self.graphdef, self.spec, self.tx
+
+    def step(params, rest, opt_state, batch):
+      def loss_fn(p):
+        model = nnx.merge(graphdef, p, rest)
+        loss = spec.loss(model, batch)
+        _, _, new_rest = nnx.split(model, nnx.Param, ...)
+        return loss, new_rest
+      (loss, new_rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), new_rest, opt_state, loss
+
+    return jax.jit(step, in_shardings=(*self.state_shardings, self.batch_shardings),
+                   out_shardings=(*self.state_shardings, self._replicated), donate_argnums=(0, 1, 2))
+
+  def compile_step(self):
+    """The step lowered and compiled ahead of time (for compile time, memory and HLO)."""
+    abstract_batch = jax.eval_shape(lambda: self.spec.make_batch(jax.random.key(0), self.batch))
+    with self.context():
+      abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+      args = (self.abstract_params, self.abstract_rest, abstract_opt, abstract_batch)
+      return self.step_fn().lower(*args).compile()

@@ -1,0 +1,87 @@
+"""Decoder-only transformer: GPT-2 shapes (LayerNorm, GELU, learned positions, tied embeddings) and
+Llama-3 shapes (RMSNorm, SwiGLU, rotary, grouped-query attention, untied head).
+
+The GPT-2 family follows the GPT-3 paper's size table (125M/350M/1.3B rows) with GPT-2's architecture
+and 1024 context; the vocabulary is padded from 50257 to 50304 (a multiple of 64, as nanoGPT/llm.c do)
+so it splits evenly for tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshes.parallelism import constrain
+from models.layers import ACT_BTD, Block, BlockConfig, Norm, param
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  block: BlockConfig
+  vocab_size: int
+  num_layers: int
+  max_seq_len: int
+  learned_positions: bool = True
+  tie_embeddings: bool = True
+
+
+def _gpt2(d: int, layers: int, heads: int, vocab: int = 50304, seq: int = 1024) -> TransformerConfig:
+  block = BlockConfig(d_model=d, num_heads=heads, num_kv_heads=heads, d_ff=4 * d)
+  return TransformerConfig(block, vocab, layers, seq)
+
+
+def _llama3(d: int, layers: int, heads: int, kv: int, ff: int, vocab: int = 128256,
+            seq: int = 8192) -> TransformerConfig:
+  block = BlockConfig(d_model=d, num_heads=heads, num_kv_heads=kv, d_ff=ff, norm="rmsnorm", mlp="swiglu",
+                      rope=True, rope_theta=500000.0, use_bias=False)
+  return TransformerConfig(block, vocab, layers, seq, learned_positions=False, tie_embeddings=False)
+
+
+SIZES: dict[str, dict[str, TransformerConfig]] = {
+    "gpt2": {
+        "tiny": _gpt2(64, 2, 4, vocab=256, seq=128),
+        "124m": _gpt2(768, 12, 12),
+        "350m": _gpt2(1024, 24, 16),
+        "1.3b": _gpt2(2048, 24, 16),
+    },
+    "llama3": {
+        "tiny": _llama3(64, 2, 4, 2, 192, vocab=256, seq=128),
+        "8b": _llama3(4096, 32, 32, 8, 14336),
+        "70b": _llama3(8192, 80, 64, 8, 28672),
+    },
+}
+
+
+class Transformer(nnx.Module):
+  """tokens [B, T] -> logits [B, T, V]."""
+
+  def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    d = cfg.block.d_model
+    self.cfg, self.dtype = cfg, dtype
+    self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"))
+    self.pos = param(rngs, (cfg.max_seq_len, d), ("pos", "embed"), jax.nn.initializers.normal(0.01)) \
+        if cfg.learned_positions else None
+    self.blocks = nnx.List([Block(cfg.block, rngs, cfg.num_layers) for _ in range(cfg.num_layers)])
+    self.norm = Norm(d, cfg.block.norm, cfg.block.norm_eps, rngs)
+    self.head = None if cfg.tie_embeddings else param(rngs, (d, cfg.vocab_size), ("embed", "vocab"))
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    t = tokens_BT.shape[1]
+    # The lookup gathers the table over FSDP first and leaves only the vocab split (TP): XLA partitions
+    # a gather from a vocab-sharded table as local lookups plus an all-reduce.
+    table_VD = constrain(self.embed[...], ("vocab", None))
+    x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
+    if self.pos is not None:
+      x_BTD = x_BTD + self.pos[...][:t]
+    x_BTD = constrain(x_BTD.astype(self.dtype), ACT_BTD)
+    for block in self.blocks:
+      x_BTD = block(x_BTD)
+    x_BTD = self.norm(x_BTD)
+    if self.head is None:
+      logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.embed[...].astype(self.dtype))
+    else:
+      logits_BTV = x_BTD @ self.head[...].astype(self.dtype)
+    return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))

@@ -1,0 +1,75 @@
+"""Shared test set-up: 8 virtual CPU devices for in-process tests, and helpers to run the CLI."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+# Must happen before JAX's backend starts: every in-process test sees 8 CPU devices.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+  """The environment for a child process: no inherited device-count choices unless given."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(extra)
+  return env
+
+
+def run_cli(args: list[str], timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+  """Runs `python -m microbench ARGS` and returns the finished process (text output)."""
+  return subprocess.run([sys.executable, "-m", "microbench", *args], capture_output=True, text=True,
+                        timeout=timeout, env=clean_env(**env), cwd=ROOT)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_job(args: list[str], num_processes: int, devices_per_process: int = 1,
+              hosts: list[str] | None = None) -> list[subprocess.Popen]:
+  """Starts a `microbench` job of several local processes (gloo), without any launcher script."""
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    env = clean_env(JAX_NUM_CPU_DEVICES=str(devices_per_process))
+    if hosts:
+      env["MICROBENCH_HOSTNAME"] = hosts[i]
+    cmd = [sys.executable, "-m", "microbench", *args, "--distributed",
+           f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={i}"]
+    procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                  cwd=ROOT))
+  return procs
+
+
+def finish_job(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[int, str, str]]:
+  results = []
+  for p in procs:
+    try:
+      out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise
+    results.append((p.returncode, out, err))
+  return results
+
+
+@pytest.fixture(scope="session")
+def parsed_flags():
+  """absl flags parsed with defaults, for in-process calls into code that reads FLAGS."""
+  from absl import flags
+  import microbench.cli  # noqa: F401  (defines the flags)
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS(["pytest"])
+  return flags.FLAGS

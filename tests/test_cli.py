@@ -1,0 +1,115 @@
+"""The `microbench` command end to end: outputs, bad input, failures, resume."""
+
+import json
+import os
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import run_cli
+
+FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "samples",
+          "time_us", "time_us_min", "time_us_p99", "algbw_gbps", "busbw_gbps", "wrong", "status"}
+
+
+def _records(outdir):
+  with open(os.path.join(outdir, "results.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=all_reduce,all_to_all", "--scopes=all", "--min_bytes=1K", "--max_bytes=4K",
+               "--iters=3", "--samples=3", f"--outdir={out}"])
+  assert r.returncode == 0, r.stderr
+  assert "emulated as racks:1,nodes:2,gpus:4" in r.stdout  # the CPU default, said in the output
+  assert "scope rack_scale skipped" in r.stdout
+  assert "Avg bus bandwidth" in r.stdout and "Out of bounds values : 0 OK" in r.stdout
+  recs = _records(out)
+  assert len(recs) == 2 * 3 * 3  # collectives x (scale_up, scale_out, global) x sizes
+  for rec in recs:
+    assert FIELDS <= rec.keys() and rec["status"] == "ok" and rec["wrong"] == 0
+  assert {r["scope"] for r in recs} == {"scale_up", "scale_out", "global"}
+  assert {(r["scope"], r["group_size"], r["num_groups"]) for r in recs} == {
+      ("scale_up", 4, 2), ("scale_out", 2, 4), ("global", 8, 1)}
+  meta = json.loads((out / "meta.json").read_text())
+  assert meta["device_count"] == 8 and meta["process_count"] == 1 and meta["platform"] == "cpu"
+  assert meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 4}
+  assert meta["mesh"]["shape"] == [1, 2, 4] and meta["status"] == "finished"
+  assert meta["jax_version"] and meta["flags"]["collectives"] == ["all_reduce", "all_to_all"]
+  ea = EventAccumulator(str(out))
+  ea.Reload()
+  tags = ea.Tags()["scalars"]
+  assert "busbw_gbps/all_reduce/scale_up/float32" in tags and "time_us/all_to_all/global/float32" in tags
+  steps = [e.step for e in ea.Scalars("busbw_gbps/all_reduce/scale_out/float32")]
+  assert steps == [1024, 2048, 4096]
+  assert "config" in ea.Tags()["tensors"]
+
+
+def test_explicit_topology_and_two_dtypes(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=reduce_scatter,broadcast", "--scopes=scale_out,rack_scale", "--topology=racks:2,nodes:3,gpus:1",
+               "--dtype=float32,bfloat16", "--min_bytes=4K", "--max_bytes=4K", "--iters=2", "--samples=2",
+               f"--outdir={out}"])
+  assert r.returncode == 0, r.stderr
+  recs = _records(out)
+  assert {(r["scope"], r["group_size"]) for r in recs} == {("scale_out", 6), ("rack_scale", 3)}
+  assert {r["dtype"] for r in recs} == {"float32", "bfloat16"}
+  assert all(r["wrong"] == 0 for r in recs)
+  assert all(r["count"] % r["group_size"] == 0 for r in recs if r["collective"] == "reduce_scatter")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--collectives=allreduce"], "unknown collective allreduce: choose from all_reduce"),
+    (["--scopes=rack"], "unknown scope rack"),
+    (["--dtype=float64"], "unknown dtype float64"),
+    (["--topology=nodes:3,gpus:4"], "has 12 devices but 8 are available"),
+    (["--topology=nodes:two"], "bad topology item"),
+    (["--min_bytes=1M", "--max_bytes=1K"], "is larger than --max_bytes"),
+    (["--max_bytes=12Q"], "bad size"),
+    (["--iters=0"], "--iters=0 must be >= 1"),
+    (["--max_bytes=64T"], "lower --max_bytes"),
+    (["stray"], "unexpected arguments"),
+])
+def test_bad_input_is_one_clear_line(args, message, tmp_path):
+  # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.
+  r = run_cli([*args, f"--outdir={tmp_path / 'x'}"], timeout=60, JAX_NUM_CPU_DEVICES="8")
+  assert r.returncode != 0
+  assert message in r.stderr
+  assert "Traceback" not in r.stderr + r.stdout
+
+
+def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
+  """One wrong element anywhere makes the whole run exit non-zero (after finishing the sweep)."""
+  import numpy as np
+  from microbench import collectives, run_collectives, sweep
+
+  coll = collectives.get("ppermute")
+  monkeypatch.setattr(type(coll), "reference", lambda self, xs: np.roll(xs, 2, axis=0))
+  cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 2, 0, 2, True)
+  code = run_collectives.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
+                                 flag_values={"distributed": False})
+  assert code == 1
+  recs = _records(tmp_path)
+  assert len(recs) == 4  # the sweep went on after the wrong points
+  assert all(r["wrong"] > 0 for r in recs if r["collective"] == "ppermute")
+  assert all(r["wrong"] == 0 for r in recs if r["collective"] == "all_reduce")
+
+
+def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
+  out = tmp_path / "run"
+  args = ["--collectives=all_reduce,all_gather", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=8K",
+          "--iters=2", "--samples=2"]
+  r = run_cli([*args, f"--outdir={out}", "--inject_crash=0:5"])
+  assert r.returncode != 0
+  before = _records(out)
+  assert len(before) == 5 and all(rec["status"] == "ok" for rec in before)
+  # Resume takes the sweep's flags from meta.json: no need to repeat them.
+  r = run_cli([f"--resume={out}"])
+  assert r.returncode == 0, r.stderr
+  assert "5 point(s) already recorded are skipped" in r.stdout
+  after = _records(out)
+  keys = [(rec["collective"], rec["bytes"]) for rec in after]
+  assert len(after) == 8 and len(set(keys)) == 8
+  meta = json.loads((out / "meta.json").read_text())
+  assert meta["status"] == "finished" and len(meta["resumed_at"]) == 1
