@@ -52,9 +52,9 @@ class Bottleneck(nnx.Module):
     self.conv1, self.bn1 = _conv(cin, width, 1, 1, dtype, rngs), _bn(width, dtype, rngs)
     self.conv2, self.bn2 = _conv(width, width, 3, stride, dtype, rngs), _bn(width, dtype, rngs)
     self.conv3, self.bn3 = _conv(width, cout, 1, 1, dtype, rngs), _bn(cout, dtype, rngs, zero=True)
-    self.proj = None
-    if stride != 1 or cin != cout:
-      self.proj, self.proj_bn = _conv(cin, cout, 1, stride, dtype, rngs), _bn(cout, dtype, rngs)
+    project = stride != 1 or cin != cout
+    self.proj = _conv(cin, cout, 1, stride, dtype, rngs) if project else None
+    self.proj_bn = _bn(cout, dtype, rngs) if project else None
 
   def __call__(self, x: jax.Array) -> jax.Array:
     y = jax.nn.relu(self.bn1(self.conv1(x)))

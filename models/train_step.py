@@ -101,12 +101,12 @@ class Trainer:
     graphdef, spec, tx = self.graphdef, self.spec, self.tx
 
     def step(params, rest, opt_state, batch):
-      def loss_fn(p):
-        model = nnx.merge(graphdef, p, rest)
+      def loss_fn(p, r):  # `r` passed in, not closed over: BatchNorm updates it inside this trace
+        model = nnx.merge(graphdef, p, r, copy=True)
         loss = spec.loss(model, batch)
         _, _, new_rest = nnx.split(model, nnx.Param, ...)
         return loss, new_rest
-      (loss, new_rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      (loss, new_rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest)
       updates, opt_state = tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), new_rest, opt_state, loss
 
