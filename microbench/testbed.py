@@ -103,14 +103,13 @@ def permission_problem() -> str | None:
   for tool in ("ip", "tc"):
     if shutil.which(tool) is None:
       return f"`{tool}` (iproute2) not found on PATH"
-  if os.geteuid() != 0:
-    try:
-      with open("/proc/self/status", encoding="ascii") as f:
-        cap = int(next(l for l in f if l.startswith("CapEff:")).split()[1], 16)
-    except (OSError, StopIteration, ValueError):
-      cap = 0
-    if not (cap >> 12) & 1 or not (cap >> 21) & 1:
-      return "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; run it with sudo"
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      cap = int(next(l for l in f if l.startswith("CapEff:")).split()[1], 16)
+  except (OSError, StopIteration, ValueError):
+    cap = (1 << 64) - 1 if os.geteuid() == 0 else 0
+  if not (cap >> 12) & 1 or not (cap >> 21) & 1:  # CAP_NET_ADMIN, CAP_SYS_ADMIN (netns mounts)
+    return "needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; run it with sudo"
   return None
 
 
@@ -346,10 +345,11 @@ def find_states() -> list[str]:
 
 
 def all_prefixes() -> list[str]:
-  """Prefixes of every testbed on this machine: from state files and from namespace names."""
+  """Prefixes of every testbed on this machine: from state files, namespace names and /etc/netns."""
   found = {os.path.basename(p)[len("microbench-testbed-"):-len(".json")] for p in find_states()}
-  for ns in list_netns():
-    head = ns.split("-", 1)[0]
-    if "-" in ns and re.fullmatch(r"tb[0-9a-f]{6}", head) and re.fullmatch(r"sw|h[0-9]+", ns.split("-", 1)[1]):
-      found.add(head)
+  names = list_netns() + (os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else [])
+  for name in names:
+    m = re.fullmatch(r"(tb[0-9a-z]{1,12})-(sw|h[0-9]+)", name)
+    if m:
+      found.add(m.group(1))
   return sorted(p for p in found if PREFIX_RE.match(p))
