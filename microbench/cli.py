@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import sys
 
 from absl import app, flags
 
@@ -99,8 +100,14 @@ def main(argv: list[str]) -> int:
   outdir = FLAGS.resume or FLAGS.outdir or os.path.join(
       "runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
   flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
-  return run_collectives.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume),
+  code = run_collectives.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume),
                                  nodes_per_rack=FLAGS.nodes_per_rack, flag_values=flag_values)
+  if code == run_collectives.JOB_FAILED:
+    # A peer is gone: skip jax.distributed's shutdown barrier, which would only wait for it and abort.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  return code
 
 
 def _load_resumed_flags(outdir: str) -> None:

@@ -25,6 +25,8 @@ flags.DEFINE_integer("nodes_per_rack", None,
 flags.DEFINE_integer("heartbeat_timeout", 10,
                      "Seconds without a heartbeat before a peer is declared dead.", lower_bound=1)
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for all processes to join.", lower_bound=1)
+flags.DEFINE_integer("collective_timeout", 45,
+                     "Seconds a CPU (gloo) collective may wait for its peers before failing.", lower_bound=1)
 
 HOSTNAME_ENV = "MICROBENCH_HOSTNAME"  # lets tests and the testbed present processes as separate hosts
 
@@ -37,6 +39,9 @@ def initialize() -> None:
   """Starts jax.distributed when `--distributed` is set; a no-op otherwise. Call before any JAX use."""
   if not FLAGS.distributed:
     return
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_collective_timeout_seconds" not in xla_flags:  # read when the backend starts, i.e. later
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_cpu_collective_timeout_seconds={FLAGS.collective_timeout}".strip()
   import jax  # pylint: disable=g-import-not-at-top
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -62,3 +67,12 @@ def process_hosts() -> list[str]:
   raw[:len(name)] = np.frombuffer(name, np.uint8)
   everyone = np.asarray(multihost_utils.process_allgather(raw, tiled=False)).reshape(jax.process_count(), 256)
   return [bytes(row).rstrip(b"\0").decode() for row in everyone]
+
+
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset", "heartbeat", "UNAVAILABLE",
+                        "DEADLINE_EXCEEDED", "Gloo", "gloo", "timed out", "coordination service")
+
+
+def is_peer_failure(message: str) -> bool:
+  """Whether a runtime error means another process of the job is gone (the job can't go on)."""
+  return any(m in message for m in PEER_FAILURE_MARKERS)

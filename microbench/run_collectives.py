@@ -15,25 +15,29 @@ from microbench.timing import DTYPES
 
 # Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4
+JOB_FAILED = 3  # exit status when another process of the job died
 
 
 def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-def _device_memory(device) -> int:
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+def _device_memory() -> int:
+  import jax  # pylint: disable=g-import-not-at-top
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    stats = None  # backends without memory statistics
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"])
   # CPU devices share host memory.
-  import jax  # pylint: disable=g-import-not-at-top
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   return host // max(1, jax.local_device_count())
 
 
-def _check_memory(cfg: sweep.SweepConfig, mesh) -> None:
+def _check_memory(cfg: sweep.SweepConfig) -> None:
   need = _DEVICE_BYTES_PER_S * cfg.max_bytes
-  have = _device_memory(mesh.devices.flat[0])
+  have = _device_memory()
   if need > have:
     raise app.UsageError(
         f"--max_bytes={sizes.format_size(cfg.max_bytes)} needs about {sizes.format_size(need)} per device but a "
@@ -49,12 +53,12 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     topology, mesh, note = machine.resolve(topology, nodes_per_rack)
   except TopologyError as e:
     raise app.UsageError(str(e)) from None
-  _check_memory(cfg, mesh)
+  _check_memory(cfg)
   hosts = distributed.process_hosts()
   plans = plan_scopes(topology, cfg.scopes)
   out = outputs.RunOutputs(outdir, enabled=jax.process_index() == 0)
   previous = outputs.read_results(outdir) if resumed else []
-  done = {sweep.point_key(r) for r in previous}
+  done = sweep.finished_points(previous)
   old_meta = (outputs.read_meta(outdir) or {}) if resumed else {}
   meta = {
       **machine.describe(mesh, hosts),
@@ -81,11 +85,16 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")
     return 130
+  except sweep.JobFailed as e:
+    status = "failed"
+    out.print(f"\n# a process of the job failed ({e}); every finished point is in results.jsonl;"
+              f" continue with --resume={outdir}")
+    return JOB_FAILED
   finally:
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
     out.close()
-  everything = previous + records
+  everything = sweep.latest(previous + records)
   out.print()
   out.print(outputs.summary(everything))
   wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")

@@ -14,8 +14,12 @@ import numpy as np
 
 from meshes.scopes import ScopePlan
 from meshes.topology import Topology
-from microbench import collectives, hlo, outputs, timing
+from microbench import collectives, distributed, hlo, outputs, timing
 from microbench.sizes import round_count, sweep
+
+class JobFailed(RuntimeError):
+  """Another process of a multi-process job failed: the remaining points can't be measured."""
+
 
 STRAGGLER_SPREAD = 0.10  # cross-process spread of per-process median times, as a share of the median
 
@@ -38,6 +42,17 @@ class SweepConfig:
 
 def point_key(rec: dict[str, Any]) -> tuple:
   return (rec["collective"], rec["scope"], rec["dtype"], rec["requested_bytes"])
+
+
+def finished_points(records: list[dict[str, Any]]) -> set[tuple]:
+  """Points a resumed run need not repeat: measured, or failed their HLO check (deterministic).
+  Skipped points (e.g. out of memory) are tried again."""
+  return {point_key(r) for r in records if r["status"] in ("ok", "error")}
+
+
+def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One record per point, the last one written (a resumed run may re-measure skipped points)."""
+  return list({point_key(r): r for r in records}.values())
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
@@ -140,6 +155,9 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
       rec["point"] = index
       rec["of_points"] = total
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+      if (rec["status"] == "skipped" and jax.process_count() > 1
+          and distributed.is_peer_failure(rec["reason"])):
+        raise JobFailed(rec["reason"])  # not recorded: the point was never measured
       out.record(rec)
       records.append(rec)
       out.print(outputs.format_row(rec))

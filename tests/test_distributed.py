@@ -1,0 +1,88 @@
+"""Multi-process `microbench` jobs on this host (jax.distributed + gloo), started without any launcher."""
+
+import json
+import os
+import time
+
+from conftest import finish_job, start_job
+
+
+def _records(outdir):
+  with open(os.path.join(outdir, "results.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _meta(outdir):
+  with open(os.path.join(outdir, "meta.json")) as f:
+    return json.load(f)
+
+
+def _process_of_position(meta):
+  return {d["mesh_position"]: p["process"] for p in meta["processes"] for d in p["devices"]}
+
+
+def test_two_hosts_two_devices_each(tmp_path):
+  out = tmp_path / "run"
+  args = ["--collectives=all_reduce,all_gather,ppermute", "--scopes=scale_up,scale_out", "--min_bytes=1K",
+          "--max_bytes=2K", "--iters=2", "--samples=2", f"--outdir={out}"]
+  results = finish_job(start_job(args, 2, devices_per_process=2, hosts=["h0", "h1"]))
+  for code, _, err in results:
+    assert code == 0, err[-2000:]
+  assert "all_gather over scale_out" in results[0][1]
+  assert "# microbench" not in results[1][1] and "all_gather over" not in results[1][1]  # only process 0 prints
+  meta = _meta(out)
+  assert meta["process_count"] == 2 and meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 2}
+  assert [p["host"] for p in meta["processes"]] == ["h0", "h1"]
+  owner = _process_of_position(meta)
+  # scale_up groups stay inside one host's process; scale_out groups span both.
+  assert all(len({owner[d] for d in g}) == 1 for g in meta["scopes"]["scale_up"]["groups"])
+  assert all({owner[d] for d in g} == {0, 1} for g in meta["scopes"]["scale_out"]["groups"])
+  recs = _records(out)
+  assert len(recs) == 3 * 2 * 2
+  assert all(r["status"] == "ok" and r["wrong"] == 0 and r["num_processes"] == 2 for r in recs)
+
+
+def test_four_processes_on_two_interleaved_hosts(tmp_path):
+  out = tmp_path / "run"
+  args = ["--collectives=reduce_scatter,all_to_all", "--scopes=scale_up,scale_out,global", "--min_bytes=4K",
+          "--max_bytes=4K", "--iters=2", "--samples=2", f"--outdir={out}"]
+  results = finish_job(start_job(args, 4, hosts=["a", "b", "a", "b"]))
+  for code, _, err in results:
+    assert code == 0, err[-2000:]
+  meta = _meta(out)
+  assert meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 2}
+  owner = _process_of_position(meta)
+  # Processes 0 and 2 share host a: they form one node, so one scale_up group.
+  assert sorted(sorted(owner[d] for d in g) for g in meta["scopes"]["scale_up"]["groups"]) == [[0, 2], [1, 3]]
+  recs = _records(out)
+  assert len(recs) == 2 * 3 and all(r["status"] == "ok" and r["wrong"] == 0 for r in recs)
+
+
+def test_a_slow_rank_is_flagged_as_straggler(tmp_path):
+  out = tmp_path / "run"
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K", "--iters=2",
+          "--samples=3", "--inject_delay=1:150", f"--outdir={out}"]
+  results = finish_job(start_job(args, 2, hosts=["h0", "h1"]))
+  assert results[0][0] == 0, results[0][2][-2000:]
+  assert "STRAGGLER rank 1" in results[0][1]
+  for r in _records(out):
+    assert r["straggler"] and r["slowest_rank"] == 1 and r["time_spread"] > 0.1
+    assert r["time_us"] > 150e3 / 2  # the reported time is the slowest process's
+
+
+def test_dead_rank_ends_the_job_and_resume_finishes_it(tmp_path):
+  out = tmp_path / "run"
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=32K", "--iters=2",
+          "--samples=2", f"--outdir={out}"]
+  t0 = time.monotonic()
+  results = finish_job(start_job([*args, "--inject_crash=1:3"], 2, hosts=["h0", "h1"]), timeout=90)
+  assert time.monotonic() - t0 < 60
+  assert all(code != 0 for code, _, _ in results)
+  assert "a process of the job failed" in results[0][1]
+  recs = _records(out)  # every line valid JSON
+  assert len(recs) == 3 and all(r["status"] == "ok" for r in recs)
+  assert _meta(out)["status"] == "failed"
+  results = finish_job(start_job([f"--resume={out}"], 2, hosts=["h0", "h1"]))
+  assert all(code == 0 for code, _, _ in results), results[0][2][-2000:]
+  recs = _records(out)
+  assert sorted(r["bytes"] for r in recs) == [1024 << i for i in range(6)]
