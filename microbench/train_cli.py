@@ -1,0 +1,68 @@
+"""microbench-train: Flax training throughput under DP/FSDP/TP (flags only; see microbench.train)."""
+
+from __future__ import annotations
+
+import logging
+
+from absl import app, flags
+
+from microbench import distributed  # noqa: F401  (defines the distributed flags)
+from models import FAMILIES
+
+FLAGS = flags.FLAGS
+# Registered under the library's name, so a usage error prints one line, not every flag of this module.
+_M = {"module_name": "microbench.train"}
+
+flags.DEFINE_string("model", "gpt2", f"Model family: {', '.join(FAMILIES)}.", **_M)
+flags.DEFINE_string("size", None, "Size: " + "; ".join(f"{m}: {', '.join(s)}" for m, s in FAMILIES.items())
+                    + ". Default: gpt2 124m, llama3 8b, vit h14, resnet 50.", **_M)
+flags.DEFINE_integer("layers", None, "Override the size's layer count (run big shapes at small depth).", **_M)
+flags.DEFINE_string("parallelism", None, "Degrees, e.g. dp:2,fsdp:2,tp:2 (omitted ones are 1; the product is"
+                    " the device count). Default: dp over every device. On CPU without JAX_NUM_CPU_DEVICES,"
+                    " that many CPU devices are emulated.", **_M)
+flags.DEFINE_string("placement", "tp_inner", "Mesh axis order on the machine: tp_inner (tensor inside a node,"
+                    " data/fsdp across nodes), tp_outer, or a comma list of mesh axes, outermost first.", **_M)
+flags.DEFINE_integer("batch", 8, "Global batch (examples per step).", **_M)
+flags.DEFINE_integer("seq_len", None, "Tokens per example (language models). Default: the model's context.",
+                     **_M)
+flags.DEFINE_integer("steps", 10, "Training steps, warm-up included.", **_M)
+flags.DEFINE_integer("warmup_steps", 2, "First steps left out of the summary.", **_M)
+flags.DEFINE_string("dtype", "float32", "Compute dtype: float32 or bfloat16 (parameters stay float32).", **_M)
+flags.DEFINE_float("learning_rate", 3e-4, "AdamW learning rate (constant).", **_M)
+flags.DEFINE_integer("seed", 0, "Seed of the parameters and the synthetic data.", **_M)
+flags.DEFINE_string("outdir", None, "Run folder (JSONL, TensorBoard, profile). Default:"
+                    " runs/train/<model>-<size>_<parallelism>_<UTC time>.", **_M)
+flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the timed ones with"
+                     " jax.profiler into the run folder (TensorBoard's Profile tab).", **_M)
+flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G. Default: from the processes'"
+                    " hosts.", **_M)
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  from microbench import machine, train  # pylint: disable=g-import-not-at-top
+
+  cfg = train.TrainConfig(
+      model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
+      placement=FLAGS.placement, batch=FLAGS.batch, seq_len=FLAGS.seq_len, steps=FLAGS.steps,
+      warmup_steps=FLAGS.warmup_steps, dtype=FLAGS.dtype, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+      outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
+      nodes_per_rack=FLAGS.nodes_per_rack)
+  try:
+    train.check_request(cfg)  # before any device is touched
+    distributed.initialize()
+    machine.prepare_cpu_devices(train.cpu_devices_wanted(cfg), FLAGS.distributed)
+    train.run(cfg)
+  except train.ConfigError as e:
+    raise app.UsageError(str(e)) from None
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()
