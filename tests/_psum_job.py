@@ -24,6 +24,7 @@ flags.DEFINE_integer("hang_rank", -1, "This rank sleeps forever instead of joini
 flags.DEFINE_float("sleep", 0.0, "Seconds every rank sleeps before exiting (for timeout/SIGINT tests).")
 flags.DEFINE_integer("bytes", 0, "If > 0, also time an all-reduce of this many bytes per rank and print busbw.")
 flags.DEFINE_integer("iters", 5, "Timed iterations for --bytes.")
+flags.DEFINE_string("pid_dir", None, "Write this rank's pid to <pid_dir>/rank<I>.pid at start (tests check it died).")
 flags.DEFINE_bool("from_env", False, "Read coordinator/num_processes/process_id from MICROBENCH_* env vars.")
 
 
@@ -35,6 +36,9 @@ def main(argv: list[str]) -> None:
     FLAGS.num_processes = int(os.environ["MICROBENCH_NUM_PROCESSES"])
     FLAGS.process_id = int(os.environ["MICROBENCH_PROCESS_ID"])
   rank = FLAGS.process_id or 0
+  if FLAGS.pid_dir:
+    with open(os.path.join(FLAGS.pid_dir, f"rank{rank}.pid"), "w", encoding="ascii") as f:
+      f.write(str(os.getpid()))
   print(f"rank {rank} host {distributed.hostname()} started", flush=True)
   if rank == FLAGS.fail_rank:
     print(f"rank {rank} failing on purpose", flush=True)

@@ -1,0 +1,124 @@
+"""scripts/launch_local.py: correct multi-process results, and no rank left behind on failure,
+timeout or Ctrl-C (a hung multi-host job is the failure users hit most)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = os.path.join(REPO, "scripts", "launch_local.py")
+JOB = os.path.join(REPO, "tests", "_psum_job.py")
+
+
+def launch(args: list[str], job_args: list[str] = (), timeout: float = 120) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, LAUNCHER, *args, "--", sys.executable, JOB, *job_args],
+                        capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+
+
+def read(path: str | os.PathLike) -> str:
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+def pids(pid_dir: str) -> dict[int, int]:
+  return {int(os.path.basename(p)[4:-4]): int(read(p)) for p in glob.glob(os.path.join(pid_dir, "rank*.pid"))}
+
+
+def alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  try:  # A zombie is dead for our purposes.
+    return read(f"/proc/{pid}/stat").split(") ")[1][0] != "Z"
+  except (OSError, IndexError):
+    return False
+
+
+def assert_all_dead(pid_dir: str, expected: int) -> None:
+  found = pids(pid_dir)
+  assert len(found) == expected, found
+  assert not [r for r, p in found.items() if alive(p)], f"ranks still running: {found}"
+
+
+def test_two_processes_two_devices(tmp_path):
+  r = launch(["--num_processes=2", "--devices_per_process=2", f"--log_dir={tmp_path}"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "RESULT rank=0 processes=2 devices=4 psum=6.0 expected=6.0 OK" in r.stdout  # rank 0 passes through
+  assert "RESULT rank=1 processes=2 devices=4 psum=6.0 expected=6.0 OK" in read(tmp_path / "rank1.log")
+  assert "RESULT rank=1" not in r.stdout  # other ranks only go to their logs
+  assert f"logs in {tmp_path}" in r.stderr
+
+
+def test_four_processes_as_two_fake_hosts(tmp_path):
+  r = launch(["--num_processes=4", "--processes_per_host=2", f"--log_dir={tmp_path}"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  for rank in range(4):
+    log = read(tmp_path / f"rank{rank}.log")
+    assert f"RESULT rank={rank} processes=4 devices=4 psum=10.0 expected=10.0 OK" in log
+    assert f"rank {rank} host host{rank // 2} started" in log
+
+
+def test_env_only(tmp_path):
+  r = launch(["--num_processes=2", "--pass_flags=false", f"--log_dir={tmp_path}"], ["--from_env"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "psum=3.0 expected=3.0 OK" in read(tmp_path / "rank1.log")
+
+
+def test_failed_rank_is_named_and_others_stopped(tmp_path):
+  start = time.monotonic()
+  r = launch(["--num_processes=3", f"--log_dir={tmp_path}"],
+             ["--fail_rank=1", "--fail_code=7", f"--pid_dir={tmp_path}"])
+  assert time.monotonic() - start < 60
+  assert r.returncode == 7
+  assert "rank 1 failed with exit code 7" in r.stderr
+  assert "rank 1 failing on purpose" in r.stderr  # the tail of its log
+  assert_all_dead(str(tmp_path), 3)  # ranks 0 and 2 were waiting for rank 1 in jax.distributed
+
+
+def test_timeout_stops_everything(tmp_path):
+  start = time.monotonic()
+  r = launch(["--num_processes=2", "--timeout=4", "--grace=1", f"--log_dir={tmp_path}"],
+             ["--hang_rank=1", f"--pid_dir={tmp_path}"])
+  assert r.returncode == 124
+  assert time.monotonic() - start < 30
+  assert "timeout after 4 s" in r.stderr
+  assert_all_dead(str(tmp_path), 2)
+
+
+def test_sigint_stops_all_children(tmp_path):
+  proc = subprocess.Popen([sys.executable, LAUNCHER, "--num_processes=2", "--grace=1", f"--log_dir={tmp_path}",
+                           "--", sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+  try:
+    deadline = time.monotonic() + 60
+    while len(pids(str(tmp_path))) < 2 or "RESULT" not in read(tmp_path / "rank1.log"):
+      assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130
+  assert "interrupted (SIGINT)" in err
+  assert_all_dead(str(tmp_path), 2)
+
+
+@pytest.mark.parametrize("args", [
+    ["--num_processes=2"],  # no command
+    ["--", "true"],  # no --num_processes
+    ["--num_processes=2", "--", "no-such-command-xyz"],
+])
+def test_usage_errors_are_one_line(args):
+  r = subprocess.run([sys.executable, LAUNCHER, *args], capture_output=True, text=True, timeout=60, check=False)
+  assert r.returncode != 0
+  assert "Traceback" not in r.stderr
+  assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -1,0 +1,217 @@
+"""scripts/testbed.py: the emulated cluster shapes links as asked, runs concurrent jobs, reports each
+job's status, and leaves nothing behind (namespaces, /etc/netns entries, state) after success, failure,
+Ctrl-C or a crashed `up`. Tests that build namespaces need root and netns; they skip, saying why, where
+those are missing (CI runs as root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from microbench import testbed as tbm  # pylint: disable=g-import-not-at-top
+
+TESTBED = os.path.join(REPO, "scripts", "testbed.py")
+JOB = os.path.join(REPO, "tests", "_psum_job.py")
+
+
+def _netns_problem() -> str | None:
+  """Why namespaces can't be built here, or None."""
+  if not sys.platform.startswith("linux"):
+    return "network namespaces need Linux"
+  problem = tbm.permission_problem()
+  if problem:
+    return problem
+  name = f"tbprobe{secrets.token_hex(2)}-sw"
+  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
+  if r.returncode != 0:
+    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
+  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+  return None
+
+
+NETNS_PROBLEM = _netns_problem()
+needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"testbed cannot run: {NETNS_PROBLEM}")
+
+
+def run_testbed(*args: str, command: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+  argv = [sys.executable, TESTBED, *args] + (["--", *command] if command else [])
+  return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+
+
+def leftovers(prefix: str) -> list[str]:
+  found = [ns for ns in tbm.list_netns() if ns.startswith(prefix + "-")]
+  if os.path.isdir(tbm.NETNS_ETC):
+    found += [f"/etc/netns/{d}" for d in os.listdir(tbm.NETNS_ETC) if d.startswith(prefix + "-")]
+  if os.path.exists(tbm.state_path_for(prefix)):
+    found.append(tbm.state_path_for(prefix))
+  return found
+
+
+@pytest.fixture
+def bed_id():
+  """A fresh testbed id; whatever the test leaves is removed (and reported) afterwards."""
+  prefix = "tbt" + secrets.token_hex(3)
+  yield prefix
+  left = leftovers(prefix)
+  if left:
+    run_testbed("down", f"--id={prefix}")
+  assert not left, f"left behind: {left}"
+
+
+def busbw(text: str) -> float:
+  return float(re.search(r"BUSBW rank=0 .* busbw_GBps=([0-9.]+)", text).group(1))
+
+
+# Pure functions: run everywhere.
+def test_parse_rate_and_delay():
+  assert tbm.parse_rate("200mbit") == 200_000_000
+  assert tbm.parse_rate("1.5gbit") == 1_500_000_000
+  assert tbm.parse_rate("25mbps") == 200_000_000  # tc: bps = bytes per second
+  assert tbm.parse_rate("") is None and tbm.parse_rate("0") is None
+  assert tbm.gbytes_per_s(200_000_000) == 0.025
+  assert tbm.parse_delay("1ms") == 1000 and tbm.parse_delay("250us") == 250 and tbm.parse_delay("") == 0
+  for bad in ("fast", "200", "10mb"):
+    with pytest.raises(ValueError):
+      tbm.parse_rate(bad)
+  with pytest.raises(ValueError):
+    tbm.parse_delay("soon")
+
+
+def test_shape_commands():
+  (tbf,) = tbm.shape_commands("ns", "eth0", 200_000_000, 0)
+  assert tbf[:9] == ["tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
+  assert "tbf" in tbf and "200000000bit" in tbf
+  tbf, netem = tbm.shape_commands("ns", "eth0", 200_000_000, 1000)
+  assert netem[netem.index("parent") + 1] == "1:1" and netem[netem.index("delay") + 1] == "1000us"
+  (netem,) = tbm.shape_commands("ns", "eth0", None, 500)
+  assert "netem" in netem and "root" in netem
+  assert not tbm.shape_commands("ns", "eth0", None, 0)
+
+
+def test_topology_names_and_validation():
+  bed = tbm.Testbed(prefix="tbabc123", hosts=4, racks=2)
+  assert [bed.rack_of(i) for i in range(4)] == [0, 0, 1, 1]
+  assert bed.addr(0) == "10.77.0.1" and bed.addr(251) == "10.77.1.2"
+  assert bed.host_ns(3) == "tbabc123-h3" and bed.switch_ns == "tbabc123-sw"
+  assert bed.state_path == "/tmp/microbench-testbed-tbabc123.json"
+  with pytest.raises(ValueError):
+    tbm.Testbed(prefix="tbabc123", hosts=3, racks=2)
+  with pytest.raises(ValueError):
+    tbm.Testbed(prefix="eth0", hosts=2)
+  with pytest.raises(tbm.TestbedError):
+    tbm.remove_prefix("x")
+
+
+def test_usage_errors_are_one_line():
+  for args in (["--hosts=3", "--racks=2", "--", "true"], ["--hosts=2", "--host_rate=fast", "--", "true"],
+               ["--hosts=2"]):
+    r = run_testbed(*args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_without_net_admin_says_so():
+  r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, TESTBED, "--hosts=2",
+                      "--", "true"], capture_output=True, text=True, timeout=60, check=False)
+  assert r.returncode != 0
+  assert r.stderr.strip() == ("testbed: needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
+                              "run it with sudo")
+
+
+# The real thing: namespaces, bridges, tc.
+@needs_netns
+def test_oneshot_shaped_rate_and_cleanup(bed_id):
+  """Acceptance: 2 hosts at 200 Mbit/s; a 2-rank all-reduce's busbw (factor 1) is close to 0.025 GB/s."""
+  r = run_testbed(f"--id={bed_id}", "--hosts=2", "--host_rate=200mbit",
+              command=[sys.executable, JOB, "--bytes=8000000", "--iters=3"])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "psum=3.0 expected=3.0 OK" in r.stdout
+  assert f"host {bed_id}-h0 started" in r.stdout
+  bw = busbw(r.stdout)
+  assert 0.65 * 0.025 <= bw <= 1.1 * 0.025, bw
+  assert f"removed testbed {bed_id}" in r.stderr
+
+
+@needs_netns
+def test_up_run_concurrent_jobs_racks_and_down(bed_id, tmp_path):
+  r = run_testbed("up", f"--id={bed_id}", "--hosts=4", "--racks=2", "--host_rate=400mbit", "--uplink_rate=100mbit")
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.strip() == bed_id
+  state = json.load(open(tbm.state_path_for(bed_id), encoding="utf-8"))
+  assert state["racks_of_hosts"] == [0, 0, 1, 1]
+  job = [sys.executable, JOB, "--bytes=4000000", "--iters=3"]
+
+  # In-rack vs cross-rack: the cross-rack pair is bounded by the 4x slower uplink.
+  in_rack = run_testbed("run", f"--id={bed_id}", "--hosts=0,1", command=job)
+  cross = run_testbed("run", f"--id={bed_id}", "--hosts=1,2", command=job)
+  assert in_rack.returncode == 0 and cross.returncode == 0, (in_rack.stderr[-2000:], cross.stderr[-2000:])
+  assert busbw(in_rack.stdout) > 2 * busbw(cross.stdout), (busbw(in_rack.stdout), busbw(cross.stdout))
+
+  # Two jobs at once on shared hosts plus a third that fails: each one's status is reported.
+  report = tmp_path / "report.json"
+  r = run_testbed("run", f"--id={bed_id}", "--hosts=2,3", "--hosts=2,3", f"--report={report}", command=job)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "[job0] RESULT rank=0" in r.stdout and "[job1] RESULT rank=0" in r.stdout
+  jobs = json.load(open(report, encoding="utf-8"))["jobs"]
+  assert [j["returncode"] for j in jobs] == [0, 0] and [j["hosts"] for j in jobs] == [[2, 3], [2, 3]]
+  r = run_testbed("run", f"--id={bed_id}", "--hosts=0,1", "--hosts=2,3", f"--report={report}",
+              command=[sys.executable, JOB, "--fail_rank=1", "--fail_code=5"])
+  assert r.returncode == 5
+  jobs = json.load(open(report, encoding="utf-8"))["jobs"]
+  assert [(j["returncode"], j["failed_rank"]) for j in jobs] == [(5, 1), (5, 1)]
+  assert "job 0 rank 1 failed with exit code 5" in r.stderr
+
+  r = run_testbed("down", f"--id={bed_id}")
+  assert r.returncode == 0, r.stderr
+  assert not leftovers(bed_id)
+
+
+@needs_netns
+def test_sigint_removes_everything(bed_id, tmp_path):
+  proc = subprocess.Popen([sys.executable, TESTBED, f"--id={bed_id}", "--hosts=2", "--grace=1", "--",
+                           sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+  try:
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("rank*.pid"))) < 2:
+      assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 130, err[-2000:]
+  assert "interrupted (SIGINT)" in err and f"removed testbed {bed_id}" in err
+  for pid_file in tmp_path.glob("rank*.pid"):
+    assert not os.path.exists(f"/proc/{pid_file.read_text()}"), "a rank survived"
+  assert not leftovers(bed_id)
+
+
+@needs_netns
+def test_down_after_crashed_up(bed_id):
+  proc = subprocess.Popen([sys.executable, TESTBED, "up", f"--id={bed_id}", "--hosts=60"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+  deadline = time.monotonic() + 30
+  while not [ns for ns in tbm.list_netns() if ns.startswith(bed_id + "-h")] and time.monotonic() < deadline:
+    time.sleep(0.05)
+  proc.kill()  # SIGKILL: no cleanup of its own
+  proc.wait()
+  assert leftovers(bed_id), "up left nothing to clean: the test did not exercise a crash"
+  os.remove(tbm.state_path_for(bed_id))  # Even without the state file, down --id finds it all by name.
+  r = run_testbed("down", f"--id={bed_id}")
+  assert r.returncode == 0, r.stderr
+  assert not leftovers(bed_id)
