@@ -29,7 +29,6 @@ ENV_JOB = "MICROBENCH_JOB"
 ENV_NUM_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
 
 EXIT_TIMEOUT = 124
-EXIT_INTERRUPTED = 130
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

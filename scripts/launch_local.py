@@ -72,7 +72,7 @@ def main(argv: list[str]) -> int:
     result = launch.run_jobs({"": procs}, timeout=FLAGS.timeout or None, grace=FLAGS.grace, say=say)[""]
   except launch.Interrupted as e:
     say(f"interrupted ({e}); stopped all {n} rank(s). Logs in {log_dir}")
-    return launch.EXIT_INTERRUPTED
+    return 128 + e.signum
   if result.returncode == 0:
     say(f"all {n} rank(s) exited 0 ({result.seconds:.1f} s)")
   else:

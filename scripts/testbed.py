@@ -170,7 +170,7 @@ def _oneshot() -> int:
     return _run_jobs(bed, [list(range(bed.hosts))])
   except launch.Interrupted as e:
     say(f"interrupted ({e}); stopped all ranks")
-    return launch.EXIT_INTERRUPTED
+    return 128 + e.signum
   finally:
     bed.down()
     say(f"removed testbed {bed.prefix}")
@@ -185,7 +185,7 @@ def _up() -> int:
     bed.up()
   except launch.Interrupted as e:
     say(f"interrupted ({e}); removed the partial testbed")
-    return launch.EXIT_INTERRUPTED
+    return 128 + e.signum
   say(bed.describe())
   say(f"state {bed.state_path}; hosts {', '.join(f'{i}={bed.addr(i)}' for i in range(bed.hosts))}")
   print(bed.prefix)
@@ -203,7 +203,7 @@ def _run() -> int:
     return _run_jobs(bed, host_lists)
   except launch.Interrupted as e:
     say(f"interrupted ({e}); stopped all ranks (the testbed stays up)")
-    return launch.EXIT_INTERRUPTED
+    return 128 + e.signum
 
 
 def _down() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,3 +123,29 @@ def test_usage_errors_are_one_line(args):
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize("name", ["slurm_scale_up.sbatch", "slurm_scale_out.sbatch", "slurm_rack_scale.sbatch",
+                                  "mpirun_example.sh"])
+def test_cluster_templates_are_valid_bash(name):
+  """They can't run without a cluster; at least keep them parseable and pointed at the right entry point."""
+  path = os.path.join(REPO, "scripts", name)
+  subprocess.run(["bash", "-n", path], check=True)
+  text = read(path)
+  assert "python -m microbench" in text and '"$@"' in text
+  if name != "slurm_scale_up.sbatch":
+    assert "--distributed" in text
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_example_on_localhost(tmp_path):
+  hostfile = tmp_path / "hosts"
+  hostfile.write_text("localhost slots=2\n")
+  env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+             PYTHONPATH=REPO, MICROBENCH_PORT=str(20000 + os.getpid() % 20000))
+  r = subprocess.run([os.path.join(REPO, "scripts", "mpirun_example.sh"), str(hostfile), "2",
+                      "--collectives=all_reduce", "--min_bytes=64K", "--max_bytes=64K", "--iters=2", "--samples=2",
+                      f"--outdir={tmp_path / 'run'}"],
+                     capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False)
+  assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+  assert "2 process(es)" in r.stdout

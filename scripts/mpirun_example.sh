@@ -1,0 +1,20 @@
+#!/bin/bash
+# Multi-host microbench with Open MPI's mpirun, one process per GPU.
+#   scripts/mpirun_example.sh HOSTFILE GPUS_PER_NODE [microbench flags ...]
+#   scripts/mpirun_example.sh hosts.txt 8 --scopes=scale_out,global --min_bytes=1M --max_bytes=1G
+# HOSTFILE lines are "node01 slots=8"; process 0 (and the coordinator) runs on the first host.
+# The coordinator, process count and rank are passed explicitly, which works with every Open MPI: JAX's
+# own detection (`--distributed` alone) reads OMPI_MCA_orte_hnp_uri, which Open MPI 5 no longer sets. Under
+# Open MPI 4, JAX then also picks GPU OMPI_COMM_WORLD_LOCAL_RANK itself; otherwise CUDA_VISIBLE_DEVICES does.
+set -euo pipefail
+HOSTFILE=${1:?usage: $0 HOSTFILE GPUS_PER_NODE [microbench flags ...]}
+GPUS=${2:?usage: $0 HOSTFILE GPUS_PER_NODE [microbench flags ...]}
+shift 2
+NODES=$(grep -Evc '^[[:space:]]*(#|$)' "$HOSTFILE")
+HEAD=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
+PORT=${MICROBENCH_PORT:-29500}
+exec mpirun --hostfile "$HOSTFILE" -np $((NODES * GPUS)) --map-by "ppr:${GPUS}:node" --bind-to none \
+  -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x VIRTUAL_ENV \
+  bash -c '[[ -n ${OMPI_MCA_orte_hnp_uri:-} ]] || export CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK
+    exec python -m microbench --distributed --coordinator_address='"${HEAD}:${PORT}"' \
+      --num_processes=$OMPI_COMM_WORLD_SIZE --process_id=$OMPI_COMM_WORLD_RANK "$@"' microbench "$@"
