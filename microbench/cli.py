@@ -24,9 +24,12 @@ flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G
 flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
 flags.DEFINE_float("step_factor", 2.0, "Multiply the size by this between points (> 1).")
 flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}.")
-flags.DEFINE_integer("iters", 10, "Collectives per timed sample, repeated inside one jitted program.")
+flags.DEFINE_integer("iters", 20, "Collectives per timed sample, repeated inside one jitted program"
+                     " (an upper bound when --sample_ms is set).")
+flags.DEFINE_float("sample_ms", 20.0, "Use fewer repetitions per sample (down to 1) for operations that are"
+                   " already long, so a sample lasts about this long; 0 always uses --iters.")
 flags.DEFINE_integer("warmup", 1, "Untimed runs of the program (each of --iters collectives) per point.")
-flags.DEFINE_integer("samples", 5, "Timed runs per point: median, min and p99 over these.")
+flags.DEFINE_integer("samples", 10, "Timed runs per point: median, min and p99 over these.")
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
@@ -36,8 +39,8 @@ flags.DEFINE_string("resume", None, "Continue the interrupted run in this folder
 flags.DEFINE_string("inject_delay", None, "Fault injection RANK:MS: process RANK adds MS to every timed sample.")
 flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process RANK dies before point POINT+1.")
 
-SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "warmup",
-               "samples", "check", "topology", "nodes_per_rack")
+SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
+               "warmup", "samples", "check", "topology", "nodes_per_rack")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -73,6 +76,8 @@ def config_from_flags() -> sweep.SweepConfig:
   for name in ("iters", "samples"):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")
+  if FLAGS.sample_ms < 0:
+    raise app.UsageError(f"--sample_ms={FLAGS.sample_ms} must be >= 0")
   if FLAGS.warmup < 0:
     raise app.UsageError(f"--warmup={FLAGS.warmup} must be >= 0")
   crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
@@ -82,6 +87,7 @@ def config_from_flags() -> sweep.SweepConfig:
       dtypes=_choose(FLAGS.dtype, tuple(DTYPES), "dtype"),
       min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
+      sample_s=FLAGS.sample_ms * 1e-3,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None)
 

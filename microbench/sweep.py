@@ -36,6 +36,7 @@ class SweepConfig:
   warmup: int
   samples: int
   check: bool
+  sample_s: float = 0.0  # > 0: fewer repetitions (down to 1) for operations that are already long
   inject_delay: tuple[int, float] | None = None  # (rank, seconds): fault injection for straggler tests
   inject_crash: tuple[int, int] | None = None    # (rank, point index): a rank that dies mid-sweep
 
@@ -105,7 +106,11 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
     if not cfg.check:
       wrong = None
     delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
-    times = timing.time_runs(prog, cfg.iters, cfg.warmup, cfg.samples, barrier, delay)
+    iters = timing.choose_iters(prog, cfg.iters, cfg.sample_s)
+    if jax.process_count() > 1:  # every process must run the same program the same number of times
+      iters = int(_gather(np.asarray([iters])).min())
+    rec["iters"] = iters
+    times = timing.time_runs(prog, iters, cfg.warmup, cfg.samples, barrier, delay)
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}

@@ -25,9 +25,27 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 
 def input_pattern(positions: np.ndarray, count: int) -> np.ndarray:
-  """Known per-rank inputs: small integers in [-8, 8], exact in every dtype and in sums of few ranks."""
-  i = np.arange(count, dtype=np.int64)
-  return ((positions[:, None] * 131 + i[None, :] * 7) % 17 - 8).astype(np.float64)
+  """Known per-rank inputs [ranks, count]: v[p, i] = (7 i + 131 p) mod 17 - 8.
+
+  Small integers in [-8, 8], exact in every dtype and in sums; different on every rank and element so
+  misrouted data shows. Built by tiling one 17-long period: a 16 MiB check must not cost seconds.
+  """
+  positions = np.asarray(positions, np.int64).reshape(-1)
+  out = np.empty((len(positions), count), np.float32)
+  period = np.arange(17, dtype=np.int64) * 7
+  for row, p in zip(out, positions):
+    filled = min(17, count)
+    row[:filled] = ((period + 131 * p) % 17 - 8)[:filled]
+    while filled < count:  # doubling copies run at memcpy speed
+      step = min(filled, count - filled)
+      row[filled:filled + step] = row[:step]
+      filled += step
+  return out
+
+
+def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+  """NumPy array in `dtype` (bfloat16 via ml_dtypes, which jax depends on)."""
+  return np.asarray(values, np.dtype(DTYPES[dtype]))  # no copy when it already is
 
 
 def tolerance(dtype: str, n: int) -> float:
@@ -66,7 +84,7 @@ def _global_array(mesh: jax.sharding.Mesh, per_rank: int, fill: Callable[[np.nda
     start = sl.start or 0
     stop = sl.stop if sl.stop is not None else mesh.size * per_rank
     positions = np.arange(start // per_rank, stop // per_rank)
-    return fill(positions, per_rank).reshape(-1).astype(dtype)
+    return fill(positions, per_rank).reshape(-1).astype(np.dtype(dtype))
 
   return jax.make_array_from_callback((mesh.size * per_rank,), sharding, cb)
 
@@ -125,13 +143,27 @@ def check(prog: Program, compare: bool = True) -> int:
     pos = (shard.index[0].start or 0) // out_count
     gi, rank = where[pos]
     if gi not in refs:
-      # Cast the exact reference to the dtype first so the comparison sees the same representable values.
+      # Round the exact reference to the dtype first, so both sides hold representable values.
       exact = coll.reference(input_pattern(groups[gi], in_count))
-      refs[gi] = np.asarray(jnp.asarray(exact, DTYPES[prog.dtype])).astype(np.float64)
-    got = np.asarray(shard.data).astype(np.float64)
+      refs[gi] = np.asarray(as_dtype(exact, prog.dtype), np.float32)
+    got = np.asarray(np.asarray(shard.data), np.float32)
     wrong += int(np.count_nonzero(~(np.abs(got - refs[gi][rank]) <= tol)))
   del y
   return wrong
+
+
+def choose_iters(prog: Program, max_iters: int, sample_s: float) -> int:
+  """Repetitions per sample: `max_iters`, fewer (down to 1) when one operation already takes a good part
+  of `sample_s`. Repetition exists to amortise the host dispatch of a program; once an operation is much
+  longer than a dispatch, more repetitions only cost time. `sample_s <= 0` always gives `max_iters`."""
+  if sample_s <= 0 or max_iters == 1:
+    return max_iters
+  k = _scalar(prog.mesh, 1)
+  t0 = time.perf_counter()
+  prog.x, y = prog.compiled(prog.x, k)
+  jax.block_until_ready((prog.x, y))
+  once = time.perf_counter() - t0  # one operation plus one dispatch: an overestimate, so never too few
+  return int(min(max_iters, max(1, round(sample_s / once))))
 
 
 def time_runs(prog: Program, iters: int, warmup: int, samples: int, barrier: Callable[[], None],

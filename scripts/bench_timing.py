@@ -1,0 +1,133 @@
+"""Benchmark of the timing method itself (not a test). Prints figures for BUILD_NOTES.md.
+
+(a) small-message all-reduce: in-graph repetition vs naive one-call-per-measurement host timing;
+    target: the in-graph floor is at least 3x lower.
+(b) wall time of the default sweep (`microbench` with no flags), split into compile and run;
+    target: at most 120 s on a 2-core machine, compile at most half.
+(c) large-message intra-process all-reduce busbw next to this machine's single-thread memcpy bandwidth.
+
+Usage: python scripts/bench_timing.py [--parts=a,b,c] [--large_bytes=64M]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_list("parts", ["a", "b", "c"], "Which parts to run.")
+flags.DEFINE_string("large_bytes", "64M", "Message size for part (c).")
+flags.DEFINE_integer("reps", 200, "Timed calls for the naive method / repetitions in-graph for part (a).")
+FLAGS = flags.FLAGS
+
+
+def part_a() -> dict:
+  import jax
+  import numpy as np
+  from meshes.mesh import build_mesh, ordered_devices
+  from meshes.scopes import plan_scopes
+  from meshes.topology import Topology
+  from microbench import collectives, timing
+
+  topo = Topology(1, 2, 4)
+  mesh = build_mesh(topo, ordered_devices())
+  plan = plan_scopes(topo, ["global"])[0]
+  coll = collectives.get("all_reduce")
+  out = {}
+  for nbytes in (1024, 4096):
+    count = nbytes // 4
+    # In-graph: REPS repetitions in one program, several samples, per-op time.
+    prog = timing.build(coll, mesh, plan, count, "float32")
+    timing.check(prog)
+    in_graph = timing.time_runs(prog, iters=FLAGS.reps, warmup=2, samples=10, barrier=lambda: None)
+    # Naive: one jitted all-reduce per call, timed from the host around each call.
+    fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, plan.axes), mesh=mesh, in_specs=jax.P(plan.axes),
+                               out_specs=jax.P(plan.axes), check_vma=False))
+    x = jax.device_put(np.ones(mesh.size * count, np.float32), jax.NamedSharding(mesh, jax.P(plan.axes)))
+    for _ in range(10):
+      fn(x).block_until_ready()
+    naive = []
+    for _ in range(FLAGS.reps):
+      t0 = time.perf_counter()
+      fn(x).block_until_ready()
+      naive.append(time.perf_counter() - t0)
+    naive = np.asarray(naive)
+    out[nbytes] = {
+        "in_graph_min_us": float(in_graph.min() * 1e6), "in_graph_median_us": float(np.median(in_graph) * 1e6),
+        "naive_min_us": float(naive.min() * 1e6), "naive_median_us": float(np.median(naive) * 1e6),
+        "floor_ratio": float(naive.min() / in_graph.min())}
+    print(f"(a) all_reduce {nbytes} B over 8 devices: in-graph min {out[nbytes]['in_graph_min_us']:.1f} us"
+          f" (median {out[nbytes]['in_graph_median_us']:.1f}), naive host timing min"
+          f" {out[nbytes]['naive_min_us']:.1f} us (median {out[nbytes]['naive_median_us']:.1f});"
+          f" floor ratio {out[nbytes]['floor_ratio']:.1f}x (target >= 3x)", flush=True)
+  return out
+
+
+def part_b() -> dict:
+  with tempfile.TemporaryDirectory() as tmp:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "microbench", f"--outdir={tmp}/run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if r.returncode:
+      raise SystemExit(f"default sweep failed: {r.stderr[-2000:]}")
+    with open(f"{tmp}/run/results.jsonl") as f:
+      recs = [json.loads(line) for line in f]
+  compile_s = sum(r.get("compile_s", 0.0) for r in recs)
+  out = {"points": len(recs), "wall_s": wall, "compile_s": compile_s, "other_s": wall - compile_s}
+  print(f"(b) default sweep: {len(recs)} points, wall {wall:.1f} s (target <= 120 s), of which XLA compile"
+        f" {compile_s:.1f} s ({100 * compile_s / wall:.0f}%, target <= 50%)", flush=True)
+  return out
+
+
+def part_c() -> dict:
+  import numpy as np
+  from meshes.mesh import build_mesh, ordered_devices
+  from meshes.scopes import plan_scopes
+  from meshes.topology import Topology
+  from microbench import collectives, sizes, sweep
+
+  nbytes = sizes.parse_size(FLAGS.large_bytes)
+  src = np.ones(nbytes // 8, np.float64)
+  dst = np.empty_like(src)
+  best = float("inf")
+  for _ in range(10):
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    best = min(best, time.perf_counter() - t0)
+  memcpy = nbytes / best / 1e9
+  topo = Topology(1, 2, 4)
+  mesh = build_mesh(topo, ordered_devices())
+  out = {"memcpy_gbps": memcpy}
+  cfg = sweep.SweepConfig(("all_reduce",), ("scale_up", "global"), ("float32",), nbytes, nbytes, 2, 5, 1, 5, True)
+  for plan in plan_scopes(topo, ["scale_up", "global"]):
+    rec = sweep.run_point(cfg, mesh, plan, collectives.get("all_reduce"), "float32", nbytes, lambda: None)
+    out[plan.name] = {"busbw_gbps": rec["busbw_gbps"], "time_us": rec["time_us"], "wrong": rec["wrong"],
+                      "ratio_to_memcpy": rec["busbw_gbps"] / memcpy}
+    print(f"(c) all_reduce {FLAGS.large_bytes} {plan.name} (n={plan.group_size}, one process): busbw"
+          f" {rec['busbw_gbps']:.2f} GB/s vs single-thread memcpy {memcpy:.2f} GB/s: ratio"
+          f" {rec['busbw_gbps'] / memcpy:.2f}", flush=True)
+  return out
+
+
+def main(argv):
+  del argv
+  print(f"# bench_timing on {os.cpu_count()} CPU(s), {time.strftime('%Y-%m-%d %H:%M')}", flush=True)
+  results = {}
+  for part in FLAGS.parts:
+    results[part] = {"a": part_a, "b": part_b, "c": part_c}[part]()
+  print(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+  app.run(main)
