@@ -101,7 +101,8 @@ class Proc:
   passthrough: bool = False
   prefix: str = ""
   popen: subprocess.Popen | None = None
-  returncode: int | None = None
+  returncode: int | None = None  # Set by the waiter thread, together with exit_time.
+  exit_time: float = 0.0
   stopped_by_us: bool = False
   threads: list[threading.Thread] = dataclasses.field(default_factory=list)
 
@@ -136,6 +137,14 @@ def _pump(src: IO[bytes], log: IO[bytes], lock: threading.Lock, out: IO[bytes] |
   src.close()
 
 
+def _wait(proc: Proc) -> None:
+  """Records when the rank exited: the first rank to die is the one to blame, not its peers that
+  noticed a moment later (a few ms apart, so polling could not tell them apart)."""
+  code = proc.popen.wait()
+  proc.exit_time = time.monotonic()
+  proc.returncode = code
+
+
 def _start(proc: Proc) -> None:
   log = open(proc.log_path, "ab", buffering=0)  # pylint: disable=consider-using-with
   env = dict(os.environ)
@@ -154,6 +163,7 @@ def _start(proc: Proc) -> None:
     proc.popen = subprocess.Popen(proc.argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
+  threading.Thread(target=_wait, args=(proc,), daemon=True).start()
 
 
 def _signal_group(proc: Proc, sig: int) -> None:
@@ -186,6 +196,7 @@ def stop(procs: Sequence[Proc], grace: float) -> None:
   for p in procs:
     if p.popen is not None and p.returncode is None:
       p.returncode = p.popen.poll()
+      p.exit_time = p.exit_time or time.monotonic()
     for t in p.threads:
       t.join(timeout=2)
 
@@ -237,12 +248,9 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
       for job, procs in jobs.items():
         if job in results:
           continue
-        for p in procs:
-          if p.returncode is None:
-            p.returncode = p.popen.poll()
-        failed = [p for p in procs if p.returncode not in (None, 0)]
+        failed = sorted((p for p in procs if p.returncode not in (None, 0)), key=lambda p: p.exit_time)
         if failed:
-          first = failed[0]  # Lowest rank among those seen in this poll; polls are 50 ms apart.
+          first = failed[0]
           others = [p for p in procs if p.returncode is None]
           say(f"{first.name} failed with {describe_code(first.returncode)}; stopping {len(others)} other "
               f"rank(s). Log: {first.log_path}")

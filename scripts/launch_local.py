@@ -57,7 +57,10 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(f"command not found: {_COMMAND[0]}")
   n = FLAGS.num_processes
   log_dir = FLAGS.log_dir or tempfile.mkdtemp(prefix="microbench-launch-")
-  os.makedirs(log_dir, exist_ok=True)
+  try:
+    os.makedirs(log_dir, exist_ok=True)
+  except OSError as e:
+    raise app.UsageError(f"cannot create --log_dir={log_dir}: {e.strerror}") from None
   coordinator = f"127.0.0.1:{FLAGS.port or launch.free_port()}"
   procs = []
   for i in range(n):

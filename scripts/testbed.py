@@ -123,7 +123,10 @@ def _run_jobs(bed: tbm.Testbed, host_lists: list[list[int]]) -> int:
   for j, hosts in enumerate(host_lists):
     name = str(j)
     log_dir = os.path.join(log_root, f"job{j}")
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+      os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+      raise app.UsageError(f"cannot create log dir {log_dir}: {e.strerror}") from None
     coordinator = f"{bed.addr(hosts[0])}:{bed.free_port(hosts[0])}"
     n = len(hosts)
     procs = []
