@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 from typing import Any
 
 from absl import app
@@ -44,6 +45,11 @@ def _check_memory(cfg: sweep.SweepConfig) -> None:
         f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {sizes.format_size(have // 4 // 2**20 * 2**20)}")
 
 
+def _raise_interrupt(signum, frame):
+  del signum, frame
+  raise KeyboardInterrupt
+
+
 def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
             nodes_per_rack: int | None, flag_values: dict[str, Any]) -> int:
   distributed.initialize()
@@ -79,6 +85,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
   records: list[dict[str, Any]] = []
   status = "interrupted"
+  # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
+  signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
     records = sweep.run_sweep(cfg, mesh, topology, plans, out, done)
     status = "finished"

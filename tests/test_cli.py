@@ -46,10 +46,12 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert "config" in ea.Tags()["tensors"]
 
 
-def test_explicit_topology_and_two_dtypes(tmp_path):
+def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
   out = tmp_path / "run"
-  r = run_cli(["--collectives=reduce_scatter,broadcast", "--scopes=scale_out,rack_scale", "--topology=racks:2,nodes:3,gpus:1",
-               "--dtype=float32,bfloat16", "--min_bytes=4K", "--max_bytes=4K", "--iters=2", "--samples=2",
+  flagfile = tmp_path / "sweep.flags"
+  flagfile.write_text("--collectives=reduce_scatter,broadcast\n--scopes=scale_out,rack_scale\n"
+                      "--topology=racks:2,nodes:3,gpus:1\n--dtype=float32,bfloat16\n")
+  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=2", "--samples=2",
                f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   recs = _records(out)
@@ -113,3 +115,28 @@ def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   assert len(after) == 8 and len(set(keys)) == 8
   meta = json.loads((out / "meta.json").read_text())
   assert meta["status"] == "finished" and len(meta["resumed_at"]) == 1
+
+
+def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
+  import signal
+  import subprocess
+  import sys
+  import time
+  from conftest import ROOT, clean_env
+
+  out = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
+                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=2", "--samples=2", f"--outdir={out}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
+  deadline = time.monotonic() + 120
+  while time.monotonic() < deadline:  # wait for some points to finish
+    if (out / "results.jsonl").exists() and len((out / "results.jsonl").read_text().splitlines()) >= 3:
+      break
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  stdout, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 130
+  assert "interrupted" in stdout
+  recs = _records(out)  # every line parses
+  assert 3 <= len(recs) < 200 and all(r["wrong"] is None for r in recs)
+  assert json.loads((out / "meta.json").read_text())["status"] == "interrupted"
