@@ -38,18 +38,22 @@ def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topo
   devices = ordered_devices()
   hosts = process_hosts()
   device_hosts = [hosts[d.process_index] for d in devices]
-  derived, perm = topology_from_hosts(device_hosts, nodes_per_rack)
+  _, perm = topology_from_hosts(device_hosts)
   devices = [devices[i] for i in perm]
   if topology is not None:
     check_matches(topology, len(devices))
     note = f"topology {topology} from --topology"
-  elif devices[0].platform == "cpu" and derived.total_nodes == 1 and len(devices) % 2 == 0 and len(devices) > 1:
-    topology = Topology(racks=1, nodes=2, gpus=len(devices) // 2)
+  elif (jax.process_count() == 1 and devices[0].platform == "cpu" and len(devices) % 2 == 0
+        and len(devices) > 1):
+    per_rack = nodes_per_rack or 2
+    if 2 % per_rack:
+      raise TopologyError(f"--nodes_per_rack={per_rack} must divide the 2 emulated nodes (or set --topology)")
+    topology = Topology(racks=2 // per_rack, nodes=per_rack, gpus=len(devices) // 2)
     note = (f"no accelerator: {len(devices)} CPU devices in one process, emulated as {topology}"
             " (set --topology to change)")
   else:
-    topology = derived
-    note = f"topology {topology} from {len(hosts)} process(es) on {derived.total_nodes} host(s)"
+    topology, _ = topology_from_hosts(device_hosts, nodes_per_rack)
+    note = f"topology {topology} from {len(hosts)} process(es) on {topology.total_nodes} host(s)"
   return topology, build_mesh(topology, devices), note
 
 
