@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -55,6 +56,9 @@ class TrainConfig:
   topology: str | None = None
   nodes_per_rack: int | None = None
   write: bool = True  # False: no files (library use, tests)
+  # XLA options for the step's compile (library use: tests turn LLVM optimisation off to compile faster;
+  # SPMD partitioning, which decides the collectives and shardings, is the same).
+  compiler_options: dict[str, Any] | None = None
   verbose: bool = True
 
 
@@ -107,16 +111,23 @@ def cpu_devices_wanted(cfg: TrainConfig) -> Topology | None:
   return None
 
 
-def plan(cfg: TrainConfig) -> Plan:
-  """Checks the request against the devices and lays the mesh on the machine."""
+def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
+  """Checks the request against the devices and lays the mesh on the machine.
+
+  `devices` (library use) takes those devices as one node instead of every device of the job.
+  """
   from microbench import machine  # pylint: disable=g-import-not-at-top
 
   spec, parallelism, topology = check_request(cfg)
-  try:
-    topology, machine_mesh, note = machine.resolve(topology, cfg.nodes_per_rack)
-  except TopologyError as e:
-    raise ConfigError(str(e)) from None
-  devices = list(machine_mesh.devices.flat)  # node-contiguous
+  if devices is not None:
+    devices = list(devices)
+    topology, note = Topology(1, 1, len(devices)), f"{len(devices)} given devices as one node"
+  else:
+    try:
+      topology, machine_mesh, note = machine.resolve(topology, cfg.nodes_per_rack)
+    except TopologyError as e:
+      raise ConfigError(str(e)) from None
+    devices = list(machine_mesh.devices.flat)  # node-contiguous
   if parallelism is None:
     parallelism = par.parse_parallelism(f"dp:{len(devices)}")
     cfg = dataclasses.replace(cfg, parallelism=str(parallelism))
@@ -288,8 +299,9 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
 
   layers = getattr(spec.config, "num_layers", len(getattr(spec.config, "stage_blocks", ())))
   mesh_text = " ".join(f"{a}={mesh.shape[a]}" for a in p.axis_order if mesh.shape[a] > 1) or "1 device"
+  hidden = ("write", "verbose", "compiler_options")
   config_record = {
-      "kind": "config", **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("write", "verbose")},
+      "kind": "config", **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in hidden},
       "size": spec.size, "layers": layers, "seq_len": spec.seq_len, "params": trainer.num_params,
       "mesh": mesh_text, "mesh_axes": list(p.axis_order), "mesh_shape": [mesh.shape[a] for a in p.axis_order],
       "placement_map": p.placement, "topology": str(p.topology), "topology_note": p.topology_note,
@@ -309,7 +321,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     say(f"  run folder {run_dir}")
 
   t0 = time.perf_counter()
-  compiled = trainer.compile_step()
+  compiled = trainer.compile_step(cfg.compiler_options)
   compile_s = time.perf_counter() - t0
   memory = _memory(compiled)
   comm = hlo_comm.comm_fingerprint(compiled.as_text(), n)

@@ -87,7 +87,9 @@ class Trainer:
       _, params, rest = nnx.split(model, nnx.Param, ...)
       return params, rest, self.tx.init(params)
     with self.context():
-      return jax.jit(init, out_shardings=self.state_shardings)()
+      lowered = jax.jit(init, out_shardings=self.state_shardings).lower()
+      # Runs once: skip LLVM's optimisations (several times faster to compile on CPU).
+      return lowered.compile(compiler_options={"xla_backend_optimization_level": 0})()
 
   def batch_fn(self) -> Callable[[int], dict[str, jax.Array]]:
     """step -> synthetic batch, generated on the devices and sharded along `batch`."""
@@ -113,10 +115,10 @@ class Trainer:
     return jax.jit(step, in_shardings=(*self.state_shardings, self.batch_shardings),
                    out_shardings=(*self.state_shardings, self._replicated), donate_argnums=(0, 1, 2))
 
-  def compile_step(self):
+  def compile_step(self, compiler_options: dict[str, Any] | None = None):
     """The step lowered and compiled ahead of time (for compile time, memory and HLO)."""
     abstract_batch = jax.eval_shape(lambda: self.spec.make_batch(jax.random.key(0), self.batch))
     with self.context():
       abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
       args = (self.abstract_params, self.abstract_rest, abstract_opt, abstract_batch)
-      return self.step_fn().lower(*args).compile()
+      return self.step_fn().lower(*args).compile(compiler_options=compiler_options)

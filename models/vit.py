@@ -58,6 +58,7 @@ class ViT(nnx.Module):
     self.blocks = nnx.List([Block(cfg.block, rngs, cfg.num_layers) for _ in range(cfg.num_layers)])
     self.norm = Norm(d, "layernorm", cfg.block.norm_eps, rngs)
     self.head = param(rngs, (d, cfg.num_classes), ("embed", "classes"), jax.nn.initializers.zeros)
+    self.head_bias = param(rngs, (cfg.num_classes,), ("classes",), jax.nn.initializers.zeros)
 
   def __call__(self, images_BHWC: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, self.dtype
@@ -71,4 +72,4 @@ class ViT(nnx.Module):
     for block in self.blocks:
       x_BTD = block(x_BTD)
     x_BD = self.norm(x_BTD)[:, 0]
-    return x_BD @ self.head[...].astype(dt)
+    return x_BD @ self.head[...].astype(dt) + self.head_bias[...].astype(dt)

@@ -1,0 +1,161 @@
+"""Training under every strategy matches one device; the CLI's outputs; bad input gets one clear line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from microbench import hlo_comm, train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = {"xla_backend_optimization_level": 0}  # partitioning unchanged; LLVM codegen skipped: faster compiles
+
+
+@functools.cache
+def _run(model: str, parallelism: str, dtype: str = "float32") -> train.Result:
+  n = int(np.prod([int(x.split(":")[1]) for x in parallelism.split(",")]))
+  cfg = train.TrainConfig(model=model, size="tiny", parallelism=parallelism, batch=8, seq_len=32, steps=3,
+                          warmup_steps=1, dtype=dtype, write=False, verbose=False, compiler_options=FAST)
+  assert jax.device_count() >= n, "needs 8 CPU devices (JAX_NUM_CPU_DEVICES=8)"
+  return train.run(cfg, train.plan(cfg, jax.devices()[:n]))
+
+
+@pytest.mark.parametrize("model,parallelism", [
+    ("gpt2", "dp:8"),
+    ("gpt2", "fsdp:8"),
+    ("gpt2", "dp:4,tp:2"),
+    ("gpt2", "fsdp:2,tp:4"),
+    ("gpt2", "dp:2,fsdp:2,tp:2"),
+    ("llama3", "fsdp:4,tp:2"),
+    ("llama3", "dp:2,fsdp:2,tp:2"),
+])
+def test_losses_match_single_device(model, parallelism):
+  one, many = _run(model, "dp:1"), _run(model, parallelism)
+  assert len(many.losses) == 3 and many.losses[-1] < many.losses[0]  # it trains
+  np.testing.assert_allclose(many.losses, one.losses, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_compute_matches_within_bf16_tolerance():
+  ref = _run("gpt2", "dp:1")
+  bf16 = _run("gpt2", "dp:2,fsdp:2,tp:2", "bfloat16")
+  np.testing.assert_allclose(bf16.losses, ref.losses, rtol=2e-2)
+  params = bf16.state[0]
+  assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}  # parameters stay float32
+
+
+def test_comm_fingerprint_reflects_strategy():
+  dp = _run("gpt2", "dp:8").summary["comm"]
+  fsdp = _run("gpt2", "fsdp:8").summary["comm"]
+  single = _run("gpt2", "dp:1").summary["comm"]
+  assert single == {}
+  assert dp["all-reduce"]["bytes"] > 0 and "all-gather" not in dp  # DP: gradients all-reduced, no gathers
+  assert fsdp["all-gather"]["bytes"] > 0  # FSDP: weights gathered for use
+  # DP all-reduces every gradient once: about the parameter bytes (float32), plus the loss.
+  param_bytes = 4 * _run("gpt2", "dp:8").summary["params"]
+  assert param_bytes <= dp["all-reduce"]["bytes"] <= 1.1 * param_bytes
+
+
+def test_summary_figures_are_consistent():
+  s = _run("gpt2", "dp:2,fsdp:2,tp:2").summary
+  assert s["tokens_per_step"] == 8 * 32
+  assert s["tokens_per_s"] == pytest.approx(s["tokens_per_step"] / s["median_step_time_s"])
+  assert s["tokens_per_s_per_device"] == pytest.approx(s["tokens_per_s"] / 8)
+  assert s["tflops_per_device"] == pytest.approx(s["flops_per_step"] / s["median_step_time_s"] / 8 / 1e12)
+  assert s["mfu"] == pytest.approx(s["tflops_per_device"] / s["peak_tflops_per_device"])
+  assert "measured CPU matmul peak" in s["peak_source"]
+  assert s["memory_per_device_bytes"] > 0 and s["compile_time_s"] > 0
+
+
+def test_hlo_comm_parses_every_form():
+  hlo = "\n".join([
+      "  %ar = f32[1024]{0} all-reduce(%p), channel_id=1, replica_groups=[2,4]<=[8], to_apply=%add",
+      "  %ag = (f32[8,64]{1,0}, bf16[16]{0}) all-gather(%a, %b), replica_groups={{0,1},{2,3}}, dimensions={0}",
+      "  %rs = f32[32]{0} reduce-scatter(%q), replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) "
+      "{'axis_1'}, dimensions={0}, to_apply=%add",
+      "  %ags = (f32[4]{0}, f32[16]{0}) all-gather-start(%x), replica_groups={{0,1,2,3}}, dimensions={0}",
+      "  %agd = f32[16]{0} all-gather-done(%ags)",
+      "  ROOT %cp = f32[10]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}",
+  ])
+  fp = hlo_comm.comm_fingerprint(hlo, 8)
+  assert fp["all-reduce"] == {"count": 1, "bytes": 4096}
+  assert fp["all-gather"] == {"count": 2, "bytes": 8 * 64 * 4 + 16 * 2 + 16 * 4}
+  assert fp["reduce-scatter"] == {"count": 1, "bytes": 32 * 4 * 4}  # input = output x group of 4
+  assert fp["collective-permute"] == {"count": 1, "bytes": 40}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The command, end to end (subprocesses: the CLI sets up its own devices).
+
+
+def _cli(args: list[str], devices: int = 8, timeout: float = 240) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+  env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
+             PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+  return subprocess.run([sys.executable, "-m", "microbench.train_cli", *args], capture_output=True, text=True,
+                        timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_cli_end_to_end(tmp_path):
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+  out = tmp_path / "run"
+  proc = _cli(["--model=llama3", "--size=tiny", "--parallelism=dp:2,fsdp:2,tp:2", "--batch=8", "--seq_len=32",
+               "--steps=4", "--warmup_steps=1", "--profile_steps=1", f"--outdir={out}"])
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr
+  for text in ("tensor  2 inside a node (scale-up)", "data    2 across 2 nodes (scale-out)", "MFU",
+               "tokens/s", "comm / step / device", "all-gather"):
+    assert text in proc.stdout, text
+
+  records = [json.loads(line) for line in (out / train.METRICS_FILE).read_text().splitlines()]
+  config, steps, summary = records[0], [r for r in records if r["kind"] == "step"], records[-1]
+  assert config["kind"] == "config" and config["mesh"] == "data=2 fsdp=2 tensor=2"
+  assert config["placement_map"]["tensor"].endswith("inside a node (scale-up)")
+  assert [s["step"] for s in steps] == [0, 1, 2, 3, 4] and steps[-1]["profiled"]
+  assert all(np.isfinite(s["loss"]) and s["step_time_s"] > 0 for s in steps)
+  assert summary["kind"] == "summary" and summary["timed_steps"] == 3
+  for key in ("median_step_time_s", "tokens_per_s", "tokens_per_s_per_device", "flops_per_step",
+              "flops_formula", "tflops_per_device", "mfu", "peak_source", "memory_per_device_bytes",
+              "compile_time_s", "comm"):
+    assert key in summary, key
+  assert summary["comm"]["all-gather"]["bytes"] > 0 and summary["comm"]["all-reduce"]["bytes"] > 0
+
+  acc = EventAccumulator(str(out), size_guidance={"scalars": 0, "tensors": 0})
+  acc.Reload()
+  scalars = acc.Tags()["scalars"]
+  for tag in ("train/loss", "train/step_time_s", "train/tokens_per_s", "train/mfu", "summary/mfu"):
+    assert tag in scalars, tag
+  assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 3, 4]
+  assert acc.Scalars("train/loss")[0].value == pytest.approx(steps[0]["loss"])
+  assert "config/text_summary" in acc.Tags()["tensors"] or "config" in acc.Tags()["tensors"]
+  traces = list((out / "plugins" / "profile").rglob("*.xplane.pb"))
+  assert traces, "no profiler trace in the run folder"
+
+
+@pytest.mark.parametrize("args,devices,line", [
+    (["--parallelism=dp:3"], 8, "--parallelism=dp:3 uses dp:3 = 3 devices but 8 are available"),
+    (["--size=tiny", "--parallelism=tp:8"], 8, "tp:8 does not divide gpt2-tiny's attention heads (4)"),
+    (["--model=gpt3"], 8, "unknown model 'gpt3'; choose one of gpt2, llama3, vit, resnet"),
+    (["--model=llama3", "--size=3b"], 8, "unknown size '3b' for llama3; choose one of tiny, 8b, 70b"),
+    (["--size=tiny", "--parallelism=dp:2,fsdp:2,tp:2", "--batch=6"], 8,
+     "--batch=6 is not divisible by dp x fsdp = 4"),
+    (["--model=llama3", "--size=tiny", "--parallelism=dp:2,tp:4"], 8,
+     "tp:4 does not divide llama3-tiny's kv heads (2)"),
+    (["--model=resnet", "--size=tiny", "--parallelism=dp:4,tp:2"], 8, "resnet names no dimension that tp splits"),
+])
+def test_bad_input_one_clear_line(args, devices, line):
+  proc = _cli([*args, "--steps=2", "--warmup_steps=1", "--outdir=/nonexistent/never-written"], devices)
+  assert proc.returncode != 0
+  assert "Traceback" not in proc.stderr
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith(line), proc.stderr[-2000:]
+  assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr  # usage line, blank, the error
