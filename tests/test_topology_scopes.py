@@ -58,3 +58,17 @@ def test_group_rank_order_matches_axis_index_linearisation():
   assert g.tolist() == [list(range(8))]
   g = scope_groups((2, 2, 2), ("rack", "node"))
   np.testing.assert_array_equal(g, [[0, 2, 4, 6], [1, 3, 5, 7]])
+
+
+def test_single_cpu_process_emulates_two_nodes_and_honours_nodes_per_rack():
+  from microbench import machine
+
+  topo, mesh, note = machine.resolve(None, None)
+  assert topo == Topology(1, 2, 4) and "emulated" in note
+  assert mesh.axis_names == ("rack", "node", "gpu") and mesh.devices.shape == (1, 2, 4)
+  topo, mesh, _ = machine.resolve(None, 1)
+  assert topo == Topology(2, 1, 4) and mesh.devices.shape == (2, 1, 4)
+  topo, _, note = machine.resolve(Topology(2, 2, 2), None)
+  assert topo == Topology(2, 2, 2) and "--topology" in note
+  with pytest.raises(TopologyError, match="12 devices but 8"):
+    machine.resolve(Topology(1, 3, 4), None)
