@@ -283,3 +283,24 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
     stop(all_procs, grace)
     raise
   return results
+
+
+def run_script(main: Callable[[list[str]], int], command: list[str], say: Callable[[str], None]) -> None:
+  """absl's `app.run` for `SCRIPT [--flags] -- COMMAND ...`: what follows `--` is appended to `command`,
+  and bad input is one line on stderr (via `say`) and exit 1, not absl's full usage text."""
+  from absl import app  # pylint: disable=g-import-not-at-top
+
+  argv = sys.argv
+  if "--" in argv:
+    cut = argv.index("--")
+    command.extend(argv[cut + 1:])
+    argv = argv[:cut]
+
+  def guarded(args: list[str]) -> int:
+    try:
+      return main(args)
+    except app.UsageError as e:
+      say(f"error: {e} (see --help)")
+      return 1
+
+  app.run(guarded, argv=argv)

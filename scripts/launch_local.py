@@ -83,22 +83,8 @@ def main(argv: list[str]) -> int:
   return result.returncode
 
 
-def _main(argv: list[str]) -> int:
-  """Bad input: one line on stderr and exit 1, instead of absl's full usage text."""
-  try:
-    return main(argv)
-  except app.UsageError as e:
-    say(f"error: {e} (see --help)")
-    return 1
-
-
 def run() -> None:
-  argv = sys.argv
-  if "--" in argv:
-    cut = argv.index("--")
-    _COMMAND.extend(argv[cut + 1:])
-    argv = argv[:cut]
-  app.run(_main, argv=argv)
+  launch.run_script(main, _COMMAND, say)
 
 
 if __name__ == "__main__":
