@@ -1,4 +1,4 @@
-"""microbench-train: Flax training throughput under DP/FSDP/TP (flags only; see microbench.train)."""
+"""microbench-train: Flax training throughput under DP/FSDP/TP. Flags: --helpfull, section microbench.train."""
 
 from __future__ import annotations
 
