@@ -13,7 +13,7 @@ import sys
 from absl import app, flags
 
 from meshes.scopes import SCOPES, plan_scopes
-from microbench import collectives, distributed, machine, outputs, run_collectives, sizes, sweep  # noqa: F401 (distributed defines flags)
+from microbench import cli_runner, collectives, distributed, machine, outputs, run_collectives, sizes, sweep  # noqa: F401 (distributed defines flags)
 from microbench.timing import DTYPES
 
 FLAGS = flags.FLAGS
@@ -128,4 +128,4 @@ def _load_resumed_flags(outdir: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main)
+  cli_runner.run(main, "microbench", [__name__, "microbench.distributed"])

@@ -285,22 +285,14 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
   return results
 
 
-def run_script(main: Callable[[list[str]], int], command: list[str], say: Callable[[str], None]) -> None:
-  """absl's `app.run` for `SCRIPT [--flags] -- COMMAND ...`: what follows `--` is appended to `command`,
-  and bad input is one line on stderr (via `say`) and exit 1, not absl's full usage text."""
-  from absl import app  # pylint: disable=g-import-not-at-top
+def run_script(main: Callable[[list[str]], int], command: list[str], name: str, flag_module: str) -> None:
+  """`SCRIPT [--flags] -- COMMAND ...`: what follows `--` is appended to `command`; flags and bad input are
+  handled as in every other command (microbench.cli_runner)."""
+  from microbench import cli_runner  # pylint: disable=g-import-not-at-top
 
   argv = sys.argv
   if "--" in argv:
     cut = argv.index("--")
     command.extend(argv[cut + 1:])
     argv = argv[:cut]
-
-  def guarded(args: list[str]) -> int:
-    try:
-      return main(args)
-    except app.UsageError as e:
-      say(f"error: {e} (see --help)")
-      return 1
-
-  app.run(guarded, argv=argv)
+  cli_runner.run(main, name, [flag_module], argv=argv)

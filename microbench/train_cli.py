@@ -1,4 +1,4 @@
-"""microbench-train: Flax training throughput under DP/FSDP/TP. Flags: --helpfull, section microbench.train."""
+"""microbench-train: Flax training throughput under DP/FSDP/TP (flags only; the work is in microbench.train)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import logging
 
 from absl import app, flags
 
-from microbench import distributed  # noqa: F401  (defines the distributed flags)
+from microbench import cli_runner, distributed  # noqa: F401  (distributed defines flags)
 from models import FAMILIES
 
 FLAGS = flags.FLAGS
-# Registered under the library's name, so a usage error prints one line, not every flag of this module.
+# Registered under the library's name (cli_runner makes --help list them).
 _M = {"module_name": "microbench.train"}
 
 flags.DEFINE_string("model", "gpt2", f"Model family: {', '.join(FAMILIES)}.", **_M)
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  app.run(main)
+  cli_runner.run(main, "microbench-train", ["microbench.train", "microbench.distributed"])
 
 
 if __name__ == "__main__":

@@ -248,7 +248,7 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-  launch.run_script(main, _COMMAND, say)
+  launch.run_script(main, _COMMAND, "testbed", __name__)
 
 
 if __name__ == "__main__":

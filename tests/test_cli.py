@@ -76,8 +76,9 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
   # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.
   r = run_cli([*args, f"--outdir={tmp_path / 'x'}"], timeout=60, JAX_NUM_CPU_DEVICES="8")
-  assert r.returncode != 0
-  assert message in r.stderr
+  assert r.returncode == 2
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("microbench: error: ") and message in lines[0], r.stderr
   assert "Traceback" not in r.stderr + r.stdout
 
 

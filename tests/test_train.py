@@ -157,5 +157,6 @@ def test_bad_input_one_clear_line(args, devices, line):
   assert proc.returncode != 0
   assert "Traceback" not in proc.stderr
   last = proc.stderr.strip().splitlines()[-1]
-  assert last.startswith(line), proc.stderr[-2000:]
-  assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr  # usage line, blank, the error
+  assert last == f"microbench-train: error: {line}" or last.startswith(f"microbench-train: error: {line}"), \
+      proc.stderr[-2000:]
+  assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

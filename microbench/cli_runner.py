@@ -1,0 +1,29 @@
+"""absl `app.run` as every command here wants it: `--help` lists the command's own flags, and bad input
+is one line (`NAME: error: ...`, exit 2) rather than absl's usage text with every flag."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+from absl import app, flags
+
+EXIT_USAGE = 2
+
+
+def run(main: Callable[[list[str]], int | None], name: str, flag_modules: Sequence[str],
+        argv: list[str] | None = None) -> None:
+  argv = list(sys.argv if argv is None else argv)
+  fv = flags.FLAGS
+  for module in flag_modules:  # absl's --help shows the key flags of the module named by argv[0]
+    for flag in fv.get_key_flags_for_module(module):
+      fv.register_key_flag_for_module(argv[0], flag)
+
+  def guarded(args: list[str]) -> int | None:
+    try:
+      return main(args)
+    except app.UsageError as e:
+      print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+      return EXIT_USAGE
+
+  app.run(guarded, argv=argv)
