@@ -8,6 +8,7 @@ sharding that the rules give holds whatever XLA would otherwise propagate.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax
@@ -20,6 +21,18 @@ ACT_BTD = ("batch", "act_seq", "act_embed")
 ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")
 ACT_BTKH = ("batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("batch", "act_seq", "act_mlp")
+
+
+def project(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
+  """`x[..., *in] @ w[*in, *out]` as one 2-D matmul `[rows, prod(in)] x [prod(in), prod(out)]`.
+
+  Why: XLA's CPU matmuls are much slower on 3-D operands (a GPT-2 MLP forward+backward took 158 ms with
+  [B, T, D] activations and 93 ms with [B*T, D]); the reshapes are bitcasts, and merging a sharded major
+  dimension with unsharded minor ones keeps the sharding, so the SPMD partitioning is unchanged.
+  """
+  lead, ins, outs = x.shape[:-in_dims], x.shape[x.ndim - in_dims:], w.shape[in_dims:]
+  k = math.prod(ins)
+  return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *outs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +108,9 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, x_BTD.dtype
-    q = jnp.einsum("btd,dnh->btnh", x_BTD, self.wq[...].astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", x_BTD, self.wk[...].astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", x_BTD, self.wv[...].astype(dt))
+    q = project(x_BTD, self.wq[...].astype(dt))
+    k = project(x_BTD, self.wk[...].astype(dt))
+    v = project(x_BTD, self.wv[...].astype(dt))
     if cfg.use_bias:
       q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
     if cfg.rope:
@@ -105,7 +118,7 @@ class Attention(nnx.Module):
     q_BTNH, k_BTKH, v_BTKH = constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
     o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal)
     o_BTNH = constrain(o_BTNH, ACT_BTNH)
-    out = jnp.einsum("btnh,nhd->btd", o_BTNH, self.wo[...].astype(dt))
+    out = project(o_BTNH, self.wo[...].astype(dt), in_dims=2)
     if cfg.use_bias:
       out = out + self.bo[...].astype(dt)
     return out
@@ -126,15 +139,15 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt = x_BTD.dtype
-    h_BTF = x_BTD @ self.w_up[...].astype(dt)
+    h_BTF = project(x_BTD, self.w_up[...].astype(dt))
     if self.cfg.use_bias:
       h_BTF = h_BTF + self.b_up[...].astype(dt)
     if self.w_gate is not None:
-      h_BTF = jax.nn.silu(x_BTD @ self.w_gate[...].astype(dt)) * h_BTF
+      h_BTF = jax.nn.silu(project(x_BTD, self.w_gate[...].astype(dt))) * h_BTF
     else:
       h_BTF = jax.nn.gelu(h_BTF, approximate=True)
     h_BTF = constrain(h_BTF, ACT_BTF)
-    out = h_BTF @ self.w_down[...].astype(dt)
+    out = project(h_BTF, self.w_down[...].astype(dt))
     if self.cfg.use_bias:
       out = out + self.b_down[...].astype(dt)
     return out

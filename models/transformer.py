@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.parallelism import constrain
-from models.layers import ACT_BTD, Block, BlockConfig, Norm, param
+from models.layers import ACT_BTD, Block, BlockConfig, Norm, param, project
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Transformer(nnx.Module):
       x_BTD = block(x_BTD)
     x_BTD = self.norm(x_BTD)
     if self.head is None:
-      logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.embed[...].astype(self.dtype))
+      logits_BTV = project(x_BTD, self.embed[...].astype(self.dtype).T)
     else:
-      logits_BTV = x_BTD @ self.head[...].astype(self.dtype)
+      logits_BTV = project(x_BTD, self.head[...].astype(self.dtype))
     return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.parallelism import constrain
-from models.layers import ACT_BTD, Block, BlockConfig, Norm, param
+from models.layers import ACT_BTD, Block, BlockConfig, Norm, param, project
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class ViT(nnx.Module):
     b, p, g = images_BHWC.shape[0], cfg.patch, cfg.image_size // cfg.patch
     x = images_BHWC.astype(dt).reshape(b, g, p, g, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
     patches_BNP = x.reshape(b, g * g, p * p * cfg.channels)
-    x_BND = patches_BNP @ self.patch_embed[...].astype(dt) + self.patch_bias[...].astype(dt)
+    x_BND = project(patches_BNP, self.patch_embed[...].astype(dt)) + self.patch_bias[...].astype(dt)
     cls = jnp.broadcast_to(self.cls[...].astype(dt), (b, 1, x_BND.shape[-1]))
     x_BTD = jnp.concatenate([cls, x_BND], axis=1) + self.pos[...].astype(dt)
     x_BTD = constrain(x_BTD, ACT_BTD)

@@ -10,7 +10,6 @@ time after warm-up. Needs the `bench` extra (torch).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -18,7 +17,20 @@ import subprocess
 import sys
 import tempfile
 
+from absl import app, flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+flags.DEFINE_string("size", "124m", "GPT-2 size.")
+flags.DEFINE_integer("layers", 2, "Layers (reduced depth, the same for both implementations).")
+flags.DEFINE_integer("batch", 4, "Global batch.")
+flags.DEFINE_integer("seq_len", 256, "Tokens per example.")
+flags.DEFINE_integer("steps", 6, "Steps per run, warm-up included.")
+flags.DEFINE_integer("warmup_steps", 2, "Steps left out of each run's median.")
+flags.DEFINE_integer("repeats", 3, "Alternating rounds of both implementations.")
+flags.DEFINE_integer("threads", os.cpu_count() or 1, "CPU threads for PyTorch (XLA uses every core of the"
+                     " machine; keep this equal to the core count).")
+flags.DEFINE_string("out", None, "Also write the result as JSON here.")
 
 
 def _env(threads: int) -> dict[str, str]:
@@ -28,7 +40,7 @@ def _env(threads: int) -> dict[str, str]:
   return env
 
 
-def run_jax(args: argparse.Namespace, outdir: str) -> dict:
+def run_jax(args, outdir: str) -> dict:
   cmd = [sys.executable, "-m", "microbench.train_cli", "--model=gpt2", f"--size={args.size}",
          f"--layers={args.layers}", "--parallelism=dp:1", f"--batch={args.batch}", f"--seq_len={args.seq_len}",
          f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}", "--dtype=float32", f"--outdir={outdir}"]
@@ -41,7 +53,7 @@ def run_jax(args: argparse.Namespace, outdir: str) -> dict:
           "tokens_per_s": summary["tokens_per_s"], "mfu": summary["mfu"], "peak_source": summary["peak_source"]}
 
 
-def run_torch(args: argparse.Namespace) -> dict:
+def run_torch(args) -> dict:
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "torch_gpt2.py"), f"--size={args.size}",
          f"--layers={args.layers}", f"--batch={args.batch}", f"--seq_len={args.seq_len}", f"--steps={args.steps}",
          f"--warmup_steps={args.warmup_steps}", f"--threads={args.threads}"]
@@ -51,19 +63,9 @@ def run_torch(args: argparse.Namespace) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--size", default="124m")
-  ap.add_argument("--layers", type=int, default=2)
-  ap.add_argument("--batch", type=int, default=4)
-  ap.add_argument("--seq_len", type=int, default=256)
-  ap.add_argument("--steps", type=int, default=6)
-  ap.add_argument("--warmup_steps", type=int, default=2)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads for PyTorch (XLA uses"
-                  " every core of the machine; keep this equal to the core count)")
-  ap.add_argument("--out", default=None, help="Also write the result as JSON here.")
-  args = ap.parse_args()
+def main(argv: list[str]) -> None:
+  del argv
+  args = flags.FLAGS
   tokens = args.batch * args.seq_len
   runs = {"jax": [], "pytorch": []}
   with tempfile.TemporaryDirectory() as tmp:
@@ -95,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

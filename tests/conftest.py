@@ -37,15 +37,15 @@ def free_port() -> int:
 
 
 def start_job(args: list[str], num_processes: int, devices_per_process: int = 1,
-              hosts: list[str] | None = None) -> list[subprocess.Popen]:
-  """Starts a `microbench` job of several local processes (gloo), without any launcher script."""
+              hosts: list[str] | None = None, module: str = "microbench") -> list[subprocess.Popen]:
+  """Starts a job of several local processes (gloo) of `python -m MODULE`, without any launcher script."""
   port = free_port()
   procs = []
   for i in range(num_processes):
     env = clean_env(JAX_NUM_CPU_DEVICES=str(devices_per_process))
     if hosts:
       env["MICROBENCH_HOSTNAME"] = hosts[i]
-    cmd = [sys.executable, "-m", "microbench", *args, "--distributed",
+    cmd = [sys.executable, "-m", module, *args, "--distributed",
            f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}", f"--process_id={i}"]
     procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                   cwd=ROOT))

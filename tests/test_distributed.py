@@ -86,3 +86,30 @@ def test_dead_rank_ends_the_job_and_resume_finishes_it(tmp_path):
   assert all(code == 0 for code, _, _ in results), results[0][2][-2000:]
   recs = _records(out)
   assert sorted(r["bytes"] for r in recs) == [1024 << i for i in range(6)]
+
+
+def test_training_runs_as_a_distributed_job(tmp_path):
+  """microbench-train across 2 processes x 2 devices (dp x tp) matches the same run in one process."""
+  from conftest import run_cli  # noqa: F401  (same environment rules)
+  import subprocess
+  import sys
+  from conftest import ROOT, clean_env
+
+  common = ["--model=gpt2", "--size=tiny", "--batch=4", "--seq_len=32", "--steps=3", "--warmup_steps=1"]
+  out = tmp_path / "dist"
+  results = finish_job(start_job([*common, "--parallelism=dp:2,tp:2", f"--outdir={out}"], 2,
+                                 devices_per_process=2, hosts=["h0", "h1"], module="microbench.train_cli"))
+  for code, _, err in results:
+    assert code == 0, err[-2000:]
+  single = tmp_path / "single"
+  r = subprocess.run([sys.executable, "-m", "microbench.train_cli", *common, "--parallelism=dp:1",
+                      f"--outdir={single}"], capture_output=True, text=True, env=clean_env(JAX_NUM_CPU_DEVICES="1"),
+                     cwd=ROOT, timeout=240)
+  assert r.returncode == 0, r.stderr[-2000:]
+
+  def losses(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+      return [rec["loss"] for rec in map(json.loads, f) if "loss" in rec and "step" in rec]
+
+  dist, one = losses(out), losses(single)
+  assert len(dist) == 3 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(dist, one)), (dist, one)
