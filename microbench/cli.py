@@ -12,7 +12,7 @@ import sys
 
 from absl import app, flags
 
-from meshes.scopes import SCOPES, plan_scopes
+from meshes.scopes import SCOPES
 from microbench import cli_runner, collectives, distributed, machine, outputs, run_collectives, sizes, sweep  # noqa: F401 (distributed defines flags)
 from microbench.timing import DTYPES
 

@@ -10,7 +10,6 @@ Adding one: subclass `Collective`, fill in the few methods, decorate with `@regi
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

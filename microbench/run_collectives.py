@@ -12,7 +12,6 @@ from absl import app
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench import distributed, machine, outputs, sizes, sweep
-from microbench.timing import DTYPES
 
 # Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4

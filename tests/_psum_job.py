@@ -47,7 +47,6 @@ def main(argv: list[str]) -> None:
     time.sleep(10_000)
   distributed.initialize()
   import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   n = jax.process_count()

@@ -65,6 +65,23 @@ def finish_job(procs: list[subprocess.Popen], timeout: float = 180) -> list[tupl
   return results
 
 
+def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> str:
+  """Waits until `ready()` holds while `proc` runs, sends SIGINT, and returns its stderr."""
+  import signal
+  import time
+  try:
+    deadline = time.monotonic() + timeout
+    while not ready():
+      assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  return err
+
+
 @pytest.fixture(scope="session")
 def parsed_flags():
   """absl flags parsed with defaults, for in-process calls into code that reads FLAGS."""

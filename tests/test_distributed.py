@@ -90,7 +90,6 @@ def test_dead_rank_ends_the_job_and_resume_finishes_it(tmp_path):
 
 def test_training_runs_as_a_distributed_job(tmp_path):
   """microbench-train across 2 processes x 2 devices (dp x tp) matches the same run in one process."""
-  from conftest import run_cli  # noqa: F401  (same environment rules)
   import subprocess
   import sys
   from conftest import ROOT, clean_env

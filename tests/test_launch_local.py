@@ -6,12 +6,13 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from conftest import interrupt_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "scripts", "launch_local.py")
@@ -98,16 +99,8 @@ def test_sigint_stops_all_children(tmp_path):
   proc = subprocess.Popen([sys.executable, LAUNCHER, "--num_processes=2", "--grace=1", f"--log_dir={tmp_path}",
                            "--", sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-  try:
-    deadline = time.monotonic() + 60
-    while len(pids(str(tmp_path))) < 2 or "RESULT" not in read(tmp_path / "rank1.log"):
-      assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
-      time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  err = interrupt_when_ready(
+      proc, lambda: len(pids(str(tmp_path))) >= 2 and "RESULT" in read(tmp_path / "rank1.log"))
   assert proc.returncode == 130
   assert "interrupted (SIGINT)" in err
   assert_all_dead(str(tmp_path), 2)

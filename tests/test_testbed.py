@@ -10,12 +10,13 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from conftest import interrupt_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -184,16 +185,7 @@ def test_sigint_removes_everything(bed_id, tmp_path):
   proc = subprocess.Popen([sys.executable, TESTBED, f"--id={bed_id}", "--hosts=2", "--grace=1", "--",
                            sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-  try:
-    deadline = time.monotonic() + 60
-    while len(list(tmp_path.glob("rank*.pid"))) < 2:
-      assert time.monotonic() < deadline and proc.poll() is None, "job did not start"
-      time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  err = interrupt_when_ready(proc, lambda: len(list(tmp_path.glob("rank*.pid"))) >= 2)
   assert proc.returncode == 130, err[-2000:]
   assert "interrupted (SIGINT)" in err and f"removed testbed {bed_id}" in err
   for pid_file in tmp_path.glob("rank*.pid"):
