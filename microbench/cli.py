@@ -120,7 +120,8 @@ def _load_resumed_flags(outdir: str) -> None:
   """A resumed run repeats the interrupted run's sweep: its flags come from that run's meta.json."""
   meta = outputs.read_meta(outdir)
   if meta is None:
-    raise app.UsageError(f"--resume={outdir}: no {outputs.META} there; pass the folder of an earlier run")
+    raise app.UsageError(f"--resume={outdir}: no {outputs.META} there; pass the folder of an earlier run"
+                         " (on a multi-host job, a folder every process sees)")
   for name in SWEEP_FLAGS:
     if name in meta.get("flags", {}):
       FLAGS[name].value = meta["flags"][name]

@@ -82,6 +82,13 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
   assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_help_lists_the_commands_flags():
+  r = run_cli(["--help"], timeout=60)
+  assert r.returncode == 0
+  for flag in ("--collectives", "--scopes", "--max_bytes", "--sample_ms", "--distributed", "--resume"):
+    assert flag in r.stdout, flag
+
+
 def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   """One wrong element anywhere makes the whole run exit non-zero (after finishing the sweep)."""
   import numpy as np
