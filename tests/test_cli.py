@@ -84,7 +84,8 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 
 def test_help_lists_the_commands_flags():
   r = run_cli(["--help"], timeout=60)  # absl's --help exits 1 by design
-  for flag in ("--collectives", "--scopes", "--max_bytes", "--sample_ms", "--distributed", "--resume"):
+  for flag in ("--collectives:", "--scopes:", "--max_bytes:", "--sample_ms:", "--[no]distributed:", "--resume:",
+               "--coordinator_address:"):
     assert flag in r.stdout, flag
 
 
