@@ -105,6 +105,9 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(str(e)) from None
   outdir = FLAGS.resume or FLAGS.outdir or os.path.join(
       "runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+  if not FLAGS.resume and outputs.read_meta(outdir) is not None:
+    raise app.UsageError(f"--outdir={outdir} already holds a run: choose a new folder, or continue that run"
+                         f" with --resume={outdir}")
   flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
   code = run_collectives.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume),
                                  nodes_per_rack=FLAGS.nodes_per_rack, flag_values=flag_values)

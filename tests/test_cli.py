@@ -82,6 +82,14 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
   assert "Traceback" not in r.stderr + r.stdout
 
 
+def test_an_outdir_holding_a_run_is_not_mixed_with_a_new_one(tmp_path):
+  (tmp_path / "meta.json").write_text("{}")
+  r = run_cli([f"--outdir={tmp_path}"], timeout=60)
+  assert r.returncode == 2
+  assert r.stderr.strip() == (f"microbench: error: --outdir={tmp_path} already holds a run: choose a new folder,"
+                              f" or continue that run with --resume={tmp_path}")
+
+
 def test_help_lists_the_commands_flags():
   r = run_cli(["--help"], timeout=60)  # absl's --help exits 1 by design
   for flag in ("--collectives:", "--scopes:", "--max_bytes:", "--sample_ms:", "--[no]distributed:", "--resume:",
