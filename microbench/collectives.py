@@ -2,7 +2,9 @@
 
 A collective says how its per-rank buffer relates to nccl-tests' size S, its bus-bandwidth factor, one
 step of the op inside `shard_map` (with the feedback that makes the next repetition depend on this one),
-the HLO op it must compile to, and a NumPy reference for the correctness check.
+the HLO op it must compile to, and what its output must be: `reference` states it in NumPy on any inputs
+(the readable specification, checked by the tests), `expected` computes any range of one rank's output on
+the known check inputs without building the whole group's inputs (the check streams through it).
 
 Adding one: subclass `Collective`, fill in the few methods, decorate with `@register`.
 """
@@ -15,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from microbench.known_inputs import values
 
 REGISTRY: dict[str, "Collective"] = {}
 
@@ -61,6 +65,10 @@ class Collective(abc.ABC):
   def reference(self, xs: np.ndarray) -> np.ndarray:
     """Expected outputs [n, out] of a group from its inputs [n, in], in group-rank order."""
 
+  @abc.abstractmethod
+  def expected(self, group: np.ndarray, rank: int, in_count: int, start: int, stop: int) -> np.ndarray:
+    """Output elements [start, stop) of group rank `rank` on the known inputs (float32)."""
+
   def hlo_expect(self, platform: str) -> str:
     return self.hlo_op
 
@@ -80,6 +88,9 @@ class AllReduce(Collective):
 
   def reference(self, xs):
     return np.broadcast_to(xs.sum(0), xs.shape)
+
+  def expected(self, group, rank, in_count, start, stop):
+    return sum(values(p, start, stop) for p in group)
 
 
 @register
@@ -104,6 +115,9 @@ class AllGather(Collective):
 
   def reference(self, xs):
     return np.broadcast_to(xs.reshape(-1), (xs.shape[0], xs.size))
+
+  def expected(self, group, rank, in_count, start, stop):
+    return _from_chunks(group, in_count, start, stop, lambda q, a, b: (q, a, b))
 
 
 @register
@@ -130,6 +144,10 @@ class ReduceScatter(Collective):
     n = xs.shape[0]
     return xs.sum(0).reshape(n, -1)
 
+  def expected(self, group, rank, in_count, start, stop):
+    base = rank * (in_count // len(group))
+    return sum(values(p, base + start, base + stop) for p in group)
+
 
 @register
 class AllToAll(Collective):
@@ -147,6 +165,10 @@ class AllToAll(Collective):
   def reference(self, xs):
     n = xs.shape[0]
     return xs.reshape(n, n, -1).transpose(1, 0, 2).reshape(n, -1)
+
+  def expected(self, group, rank, in_count, start, stop):
+    chunk = in_count // len(group)  # output chunk j is chunk `rank` of rank j's input
+    return _from_chunks(group, chunk, start, stop, lambda j, a, b: (j, rank * chunk + a, rank * chunk + b))
 
 
 @register
@@ -172,6 +194,9 @@ class Broadcast(Collective):
   def reference(self, xs):
     return np.broadcast_to(xs[0], xs.shape)
 
+  def expected(self, group, rank, in_count, start, stop):
+    return values(group[0], start, stop)
+
 
 @register
 class PPermute(Collective):
@@ -186,6 +211,20 @@ class PPermute(Collective):
 
   def reference(self, xs):
     return np.roll(xs, 1, axis=0)
+
+  def expected(self, group, rank, in_count, start, stop):
+    return values(group[(rank - 1) % len(group)], start, stop)
+
+
+def _from_chunks(group: np.ndarray, chunk: int, start: int, stop: int, source) -> np.ndarray:
+  """Output elements [start, stop) of an output made of `chunk`-long pieces, piece j taken from
+  `source(j, a, b) -> (group rank, input start, input stop)` for its local range [a, b)."""
+  parts = []
+  for j in range(start // chunk, (stop - 1) // chunk + 1 if stop > start else start // chunk):
+    a, b = max(start, j * chunk) - j * chunk, min(stop, (j + 1) * chunk) - j * chunk
+    q, lo, hi = source(j, a, b)
+    parts.append(values(group[q], lo, hi))
+  return np.concatenate(parts) if parts else np.empty(0, np.float32)
 
 
 NAMES = tuple(REGISTRY)

@@ -57,16 +57,26 @@ def test_group_size_not_power_of_two():
 
 
 class _WrongReduce(collectives.AllReduce):
-  """A deliberately wrong reference: the check must count the mismatches."""
+  """A deliberately wrong expectation: the check must count the mismatches."""
 
-  def reference(self, xs):
-    return super().reference(xs) + (np.arange(xs.shape[1]) % 5 == 0)
+  def expected(self, group, rank, in_count, start, stop):
+    return super().expected(group, rank, in_count, start, stop) + (np.arange(start, stop) % 5 == 0)
 
 
 def test_check_counts_wrong_elements(mesh):
   plan = PLANS["scale_up"]
   prog = timing.build(_WrongReduce(), mesh, plan, 100, "float32")
   # 20 of every 100 elements differ, on all 8 devices.
+  assert timing.check(prog) == 8 * 20
+
+
+def test_check_streams_through_buffers_longer_than_its_chunk(mesh, monkeypatch):
+  monkeypatch.setattr(timing, "CHECK_CHUNK", 7)
+  for name in ("all_gather", "all_to_all", "reduce_scatter"):
+    coll = collectives.get(name)
+    prog = timing.build(coll, mesh, PLANS["rack_scale"], 4 * 25, "float32")
+    assert timing.check(prog) == 0, name
+  prog = timing.build(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
   assert timing.check(prog) == 8 * 20
 
 

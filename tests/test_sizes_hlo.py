@@ -51,6 +51,28 @@ def test_references_on_a_group_of_three():
   np.testing.assert_array_equal(collectives.get("broadcast").reference(xs)[2], xs[0])
 
 
+@pytest.mark.parametrize("name", collectives.NAMES)
+def test_streamed_expectation_equals_the_reference(name):
+  """`expected` (any range of one rank's output, on the known inputs) agrees with the NumPy spec."""
+  from microbench.known_inputs import block
+  coll = collectives.get(name)
+  rng = np.random.default_rng(0)
+  for n in (1, 2, 3, 5):
+    group = rng.permutation(40)[:n]
+    in_count = 6 * n * 7
+    ref = coll.reference(block(group, in_count))
+    for r in range(n):
+      for a, b in [(0, ref.shape[1]), (3, ref.shape[1] - 2), (17, 18), (5, 5)]:
+        np.testing.assert_array_equal(coll.expected(group, r, in_count, a, b), ref[r][a:b])
+
+
+def test_known_inputs_any_range():
+  from microbench.known_inputs import values
+  for start, stop in [(0, 40), (5, 100), (3, 3), (16, 17), (100, 1000)]:
+    i = np.arange(start, stop)
+    np.testing.assert_array_equal(values(3, start, stop), ((7 * i + 131 * 3) % 17 - 8).astype(np.float32))
+
+
 HLO = """
   %all-reduce.1 = f32[256]{0} all-reduce(f32[256]{0} %p), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=%add
   %ag = f32[64]{0} all-gather-start(%x), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}
