@@ -16,7 +16,7 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-
         "collective-broadcast")
 # `%name = type op(` and the async `op-start(` forms; the type may be a tuple with spaces and comments.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(_OPS) +
-                    r")(?:-start)?\((?P<rest>.*)$")
+                    r")(?P<start>-start)?\((?P<rest>.*)$")
 
 
 class HloMismatch(RuntimeError):
@@ -47,13 +47,30 @@ def parse_iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(int(v) for v in row) for row in ids.reshape(g, s))
 
 
-def find_collectives(hlo_text: str) -> list[HloCollective]:
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One collective instruction line: its opcode (without `-start`), result type and operand text."""
+  op: str
+  type_text: str
+  async_start: bool
+  rest: str
+  line: str
+
+
+def instructions(hlo_text: str) -> list[Instruction]:
+  """Every collective instruction of an HLO module (async `-start` forms once, `-done` not at all)."""
   out = []
   for line in hlo_text.splitlines():
     m = _INSTR.match(line)
-    if not m:
-      continue
-    op, rest = m.group("op"), m.group("rest")
+    if m:
+      out.append(Instruction(m.group("op"), m.group("type"), bool(m.group("start")), m.group("rest"), line))
+  return out
+
+
+def find_collectives(hlo_text: str) -> list[HloCollective]:
+  out = []
+  for ins in instructions(hlo_text):
+    op, rest, line = ins.op, ins.rest, ins.line
     if op == "collective-permute":
       pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
       groups = _parse_list_of_lists(pm.group(1)) if pm else ()

@@ -14,11 +14,11 @@ import re
 
 import numpy as np
 
+from microbench import hlo
+
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
           "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(OPS)
-                    + r")(?P<start>-start)?\((?P<rest>.*)$")
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 
 
@@ -51,16 +51,15 @@ def group_size(rest: str, num_devices: int) -> int:
 def comm_fingerprint(hlo_text: str, num_devices: int) -> dict[str, dict[str, int]]:
   """{op: {"count", "bytes"}} for every collective type in the compiled program (absent: none)."""
   out: dict[str, dict[str, int]] = {}
-  for line in hlo_text.splitlines():
-    m = _INSTR.match(line)
-    if not m:
+  for ins in hlo.instructions(hlo_text):
+    op, parts = ins.op, _array_bytes(ins.type_text)
+    if op not in OPS:
       continue
-    op, parts = m.group("op"), _array_bytes(m.group("type"))
-    if m.group("start") and op == "all-gather" and len(parts) >= 2:
+    if ins.async_start and op == "all-gather" and len(parts) >= 2:
       parts = parts[len(parts) // 2:]  # all-gather-start returns (inputs, outputs)
     size = sum(parts)
     if op == "reduce-scatter":
-      size *= group_size(m.group("rest"), num_devices)
+      size *= group_size(ins.rest, num_devices)
     entry = out.setdefault(op, {"count": 0, "bytes": 0})
     entry["count"] += 1
     entry["bytes"] += size
