@@ -17,6 +17,7 @@ from meshes.topology import Topology
 from microbench import collectives, distributed, hlo, outputs, timing
 from microbench.sizes import round_count, sweep
 
+
 class JobFailed(RuntimeError):
   """Another process of a multi-process job failed: the remaining points can't be measured."""
 

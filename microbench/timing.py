@@ -143,7 +143,8 @@ def choose_iters(prog: Program, max_iters: int, sample_s: float) -> int:
   t0 = time.perf_counter()
   prog.x, y = prog.compiled(prog.x, k)
   jax.block_until_ready((prog.x, y))
-  once = time.perf_counter() - t0  # one operation plus one dispatch: an overestimate, so never too few
+  # One operation plus one dispatch overestimates the operation, so a sample stays within about sample_s.
+  once = time.perf_counter() - t0
   return int(min(max_iters, max(1, round(sample_s / once))))
 
 
