@@ -7,6 +7,7 @@ so a dead peer ends the job in seconds instead of hanging it.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -55,8 +56,11 @@ def initialize() -> None:
   )
 
 
+@functools.cache
 def process_hosts() -> list[str]:
-  """Hostname of every process, indexed by process index (a collective: every process must call it)."""
+  """Hostname of every process, indexed by process index (a collective: every process must call it).
+
+  Cached: hosts don't change while a process lives, and the topology and meta.json both need them."""
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
