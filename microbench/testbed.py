@@ -322,7 +322,7 @@ def remove_prefix(prefix: str) -> list[str]:
       try:
         os.kill(int(pid), signal.SIGKILL)
       except (ProcessLookupError, ValueError):
-        pass
+        pass  # already gone
     for _ in range(50):
       if _run(["ip", "netns", "del", ns], check=False).returncode == 0 or ns not in list_netns():
         break
