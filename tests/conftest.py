@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -30,15 +29,10 @@ def run_cli(args: list[str], timeout: float = 240, **env: str) -> subprocess.Com
                         timeout=timeout, env=clean_env(**env), cwd=ROOT)
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def start_job(args: list[str], num_processes: int, devices_per_process: int = 1,
               hosts: list[str] | None = None, module: str = "microbench") -> list[subprocess.Popen]:
   """Starts a job of several local processes (gloo) of `python -m MODULE`, without any launcher script."""
+  from microbench.launch import free_port  # pylint: disable=g-import-not-at-top
   port = free_port()
   procs = []
   for i in range(num_processes):
