@@ -37,7 +37,7 @@ SMOKE_CONFIGS = (("gpt2", "tiny", 2, 4, 64), ("llama3", "tiny", 2, 4, 64))
 
 
 def run_one(model: str, size: str, layers: int, batch: int, seq: int, dtype: str, outdir: str) -> dict:
-  cmd = [sys.executable, "-m", "microbench.train_cli", f"--model={model}", f"--size={size}",
+  cmd = [sys.executable, "-m", "microbench.cli.train", f"--model={model}", f"--size={size}",
          f"--layers={layers}", f"--batch={batch}", f"--seq_len={seq}", f"--dtype={dtype}",
          f"--steps={FLAGS.steps}", f"--warmup_steps={FLAGS.warmup_steps}", "--parallelism=dp:1",
          f"--outdir={outdir}"]

@@ -19,10 +19,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
 flags.DEFINE_list("parts", ["a", "b", "c"], "Which parts to run.")
 flags.DEFINE_string("large_bytes", "64M", "Message size for part (c).")
@@ -38,7 +37,7 @@ def part_a_one() -> dict:
   from meshes.mesh import build_mesh, ordered_devices
   from meshes.scopes import plan_scopes
   from meshes.topology import Topology
-  from microbench import collectives, timing
+  from microbench.bench import collectives, program
 
   n = jax.device_count()
   topo = Topology(1, 1, n)
@@ -49,9 +48,9 @@ def part_a_one() -> dict:
   for nbytes in (1024, 4096):
     count = nbytes // 4
     # In-graph: --reps repetitions in one program, several samples, per-op time.
-    prog = timing.build(coll, mesh, plan, count, "float32")
-    timing.check(prog)
-    in_graph = timing.time_runs(prog, iters=FLAGS.reps, warmup=2, samples=10, barrier=lambda: None)
+    prog = program.build(coll, mesh, plan, count, "float32")
+    program.check(prog)
+    in_graph = program.time_runs(prog, iters=FLAGS.reps, warmup=2, samples=10, barrier=lambda: None)
     # Naive: one jitted all-reduce per call, timed from the host around each call.
     fn = jax.jit(jax.shard_map(lambda x: jax.lax.psum(x, plan.axes), mesh=mesh, in_specs=jax.P(plan.axes),
                                out_specs=jax.P(plan.axes), check_vma=False))
@@ -115,7 +114,7 @@ def part_c() -> dict:
   from meshes.mesh import build_mesh, ordered_devices
   from meshes.scopes import plan_scopes
   from meshes.topology import Topology
-  from microbench import collectives, sizes, sweep
+  from microbench.bench import collectives, sizes, sweep
 
   nbytes = sizes.parse_size(FLAGS.large_bytes)
   src = np.ones(nbytes // 8, np.float64)

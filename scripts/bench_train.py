@@ -41,7 +41,7 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def run_jax(args, outdir: str) -> dict:
-  cmd = [sys.executable, "-m", "microbench.train_cli", "--model=gpt2", f"--size={args.size}",
+  cmd = [sys.executable, "-m", "microbench.cli.train", "--model=gpt2", f"--size={args.size}",
          f"--layers={args.layers}", "--parallelism=dp:1", f"--batch={args.batch}", f"--seq_len={args.seq_len}",
          f"--steps={args.steps}", f"--warmup_steps={args.warmup_steps}", "--dtype=float32", f"--outdir={outdir}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(args.threads), cwd=ROOT, check=False)

@@ -1,6 +1,6 @@
 """A tiny distributed JAX job for the launcher/testbed tests: a cross-process psum, checked.
 
-Run by `scripts/launch_local.py` / `scripts/testbed.py`, which append `--distributed
+Run by `microbench-launch` / `microbench-testbed`, which append `--distributed
 --coordinator_address=... --num_processes=N --process_id=I`. Fault-injection flags let tests make one
 rank fail or hang. With `--pass_flags=false` launchers it reads the MICROBENCH_* env vars instead.
 """
@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top
 
-from microbench import distributed  # pylint: disable=g-import-not-at-top,unused-import
+from microbench.cli import cluster_flags  # pylint: disable=g-import-not-at-top
+from microbench.cluster import distributed  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("fail_rank", -1, "This rank exits with --fail_code before the collective.")
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> None:
     sys.exit(FLAGS.fail_code)
   if rank == FLAGS.hang_rank:
     time.sleep(10_000)
-  distributed.initialize()
+  distributed.initialize(cluster_flags.settings())
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 

@@ -32,7 +32,7 @@ def run_cli(args: list[str], timeout: float = 240, **env: str) -> subprocess.Com
 def start_job(args: list[str], num_processes: int, devices_per_process: int = 1,
               hosts: list[str] | None = None, module: str = "microbench") -> list[subprocess.Popen]:
   """Starts a job of several local processes (gloo) of `python -m MODULE`, without any launcher script."""
-  from microbench.launch import free_port  # pylint: disable=g-import-not-at-top
+  from microbench.cluster.launch import free_port  # pylint: disable=g-import-not-at-top
   port = free_port()
   procs = []
   for i in range(num_processes):
@@ -80,7 +80,7 @@ def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> 
 def parsed_flags():
   """absl flags parsed with defaults, for in-process calls into code that reads FLAGS."""
   from absl import flags
-  import microbench.cli  # noqa: F401  (defines the flags)
+  import microbench.cli.bench  # noqa: F401  (defines the flags)
   if not flags.FLAGS.is_parsed():
     flags.FLAGS(["pytest"])
   return flags.FLAGS

@@ -99,14 +99,14 @@ def test_help_lists_the_commands_flags():
 
 def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   """One wrong element anywhere makes the whole run exit non-zero (after finishing the sweep)."""
-  from microbench import collectives, run_collectives, sweep
-  from microbench.known_inputs import values
+  from microbench.bench import collectives, run as bench_run, sweep
+  from microbench.bench.known_inputs import values
 
   coll = collectives.get("ppermute")  # pretend it should have come from two ranks back
   monkeypatch.setattr(type(coll), "expected",
                       lambda self, group, rank, in_count, a, b: values(group[(rank - 2) % len(group)], a, b))
   cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 2, 0, 2, True)
-  code = run_collectives.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
+  code = bench_run.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
                                  flag_values={"distributed": False})
   assert code == 1
   recs = _records(tmp_path)

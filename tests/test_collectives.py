@@ -7,8 +7,8 @@ import pytest
 from meshes.mesh import build_mesh, ordered_devices
 from meshes.scopes import SCOPES, plan_scopes
 from meshes.topology import Topology
-from microbench import collectives, hlo, sweep, timing
-from microbench.sizes import round_count
+from microbench.bench import collectives, hlo_check, program, sweep
+from microbench.bench.sizes import round_count
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)  # every scope distinct: groups of 2, 4, 4 and 8
 
@@ -25,9 +25,9 @@ PLANS = {p.name: p for p in plan_scopes(TOPOLOGY, SCOPES)}
 def _program(mesh, name, scope, dtype, nbytes=96 * 4):
   coll = collectives.get(name)
   plan = PLANS[scope]
-  itemsize = np.dtype(timing.DTYPES[dtype]).itemsize
+  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
   count = round_count(nbytes, itemsize, coll.count_multiple(plan.group_size))
-  return timing.build(coll, mesh, plan, count, dtype)
+  return program.build(coll, mesh, plan, count, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -36,15 +36,15 @@ def _program(mesh, name, scope, dtype, nbytes=96 * 4):
 def test_collective_matches_numpy_and_hlo(mesh, name, scope, dtype):
   prog = _program(mesh, name, scope, dtype)
   assert prog.hlo_match.op == collectives.get(name).hlo_expect("cpu")
-  assert timing.check(prog) == 0
-  times = timing.time_runs(prog, iters=3, warmup=1, samples=2, barrier=lambda: None)
+  assert program.check(prog) == 0
+  times = program.time_runs(prog, iters=3, warmup=1, samples=2, barrier=lambda: None)
   assert times.shape == (2,) and (times > 0).all()
 
 
 @pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_to_all"])
 @pytest.mark.parametrize("dtype", ["int32", "float16"])
 def test_other_dtypes(mesh, name, dtype):
-  assert timing.check(_program(mesh, name, "rack_scale", dtype)) == 0
+  assert program.check(_program(mesh, name, "rack_scale", dtype)) == 0
 
 
 def test_group_size_not_power_of_two():
@@ -53,7 +53,7 @@ def test_group_size_not_power_of_two():
   coll = collectives.get("reduce_scatter")
   count = round_count(1000, 4, coll.count_multiple(3))
   assert count % 3 == 0
-  assert timing.check(timing.build(coll, mesh3, plan, count, "float32")) == 0
+  assert program.check(program.build(coll, mesh3, plan, count, "float32")) == 0
 
 
 class _WrongReduce(collectives.AllReduce):
@@ -65,19 +65,19 @@ class _WrongReduce(collectives.AllReduce):
 
 def test_check_counts_wrong_elements(mesh):
   plan = PLANS["scale_up"]
-  prog = timing.build(_WrongReduce(), mesh, plan, 100, "float32")
+  prog = program.build(_WrongReduce(), mesh, plan, 100, "float32")
   # 20 of every 100 elements differ, on all 8 devices.
-  assert timing.check(prog) == 8 * 20
+  assert program.check(prog) == 8 * 20
 
 
 def test_check_streams_through_buffers_longer_than_its_chunk(mesh, monkeypatch):
-  monkeypatch.setattr(timing, "CHECK_CHUNK", 7)
+  monkeypatch.setattr(program, "CHECK_CHUNK", 7)
   for name in ("all_gather", "all_to_all", "reduce_scatter"):
     coll = collectives.get(name)
-    prog = timing.build(coll, mesh, PLANS["rack_scale"], 4 * 25, "float32")
-    assert timing.check(prog) == 0, name
-  prog = timing.build(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
-  assert timing.check(prog) == 8 * 20
+    prog = program.build(coll, mesh, PLANS["rack_scale"], 4 * 25, "float32")
+    assert program.check(prog) == 0, name
+  prog = program.build(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
+  assert program.check(prog) == 8 * 20
 
 
 def test_hlo_check_catches_a_collective_over_the_wrong_groups(mesh):
@@ -85,8 +85,8 @@ def test_hlo_check_catches_a_collective_over_the_wrong_groups(mesh):
     def op(self, x, axes, n):
       return jax.lax.psum(x, "gpu")  # always scale-up, whatever the scope asks
 
-  with pytest.raises(hlo.HloMismatch):
-    timing.build(Misrouted(), mesh, PLANS["scale_out"], 64, "float32")
+  with pytest.raises(hlo_check.HloMismatch):
+    program.build(Misrouted(), mesh, PLANS["scale_out"], 64, "float32")
 
 
 def test_run_point_records_a_runtime_failure_as_skipped(mesh, monkeypatch):
@@ -95,7 +95,7 @@ def test_run_point_records_a_runtime_failure_as_skipped(mesh, monkeypatch):
   def boom(*a, **k):
     raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate")
 
-  monkeypatch.setattr(timing, "time_runs", boom)
+  monkeypatch.setattr(program, "time_runs", boom)
   rec = sweep.run_point(cfg, mesh, PLANS["scale_up"], collectives.get("all_reduce"), "float32", 1024, lambda: None)
   assert rec["status"] == "skipped" and "RESOURCE_EXHAUSTED" in rec["reason"]
 

@@ -97,11 +97,11 @@ def test_training_runs_as_a_distributed_job(tmp_path):
   common = ["--model=gpt2", "--size=tiny", "--batch=4", "--seq_len=32", "--steps=3", "--warmup_steps=1"]
   out = tmp_path / "dist"
   results = finish_job(start_job([*common, "--parallelism=dp:2,tp:2", f"--outdir={out}"], 2,
-                                 devices_per_process=2, hosts=["h0", "h1"], module="microbench.train_cli"))
+                                 devices_per_process=2, hosts=["h0", "h1"], module="microbench.cli.train"))
   for code, _, err in results:
     assert code == 0, err[-2000:]
   single = tmp_path / "single"
-  r = subprocess.run([sys.executable, "-m", "microbench.train_cli", *common, "--parallelism=dp:1",
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.train", *common, "--parallelism=dp:1",
                       f"--outdir={single}"], capture_output=True, text=True, env=clean_env(JAX_NUM_CPU_DEVICES="1"),
                      cwd=ROOT, timeout=240)
   assert r.returncode == 0, r.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""scripts/launch_local.py: correct multi-process results, and no rank left behind on failure,
+"""microbench-launch: correct multi-process results, and no rank left behind on failure,
 timeout or Ctrl-C (a hung multi-host job is the failure users hit most)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 from conftest import interrupt_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LAUNCHER = os.path.join(REPO, "scripts", "launch_local.py")
+LAUNCHER = ["-m", "microbench.cli.launch"]  # the microbench-launch console script
 JOB = os.path.join(REPO, "tests", "_psum_job.py")
 
 
 def launch(args: list[str], job_args: list[str] = (), timeout: float = 120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, LAUNCHER, *args, "--", sys.executable, JOB, *job_args],
+  return subprocess.run([sys.executable, *LAUNCHER, *args, "--", sys.executable, JOB, *job_args],
                         capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
 
 
@@ -96,7 +96,7 @@ def test_timeout_stops_everything(tmp_path):
 
 
 def test_sigint_stops_all_children(tmp_path):
-  proc = subprocess.Popen([sys.executable, LAUNCHER, "--num_processes=2", "--grace=1", f"--log_dir={tmp_path}",
+  proc = subprocess.Popen([sys.executable, *LAUNCHER, "--num_processes=2", "--grace=1", f"--log_dir={tmp_path}",
                            "--", sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
   err = interrupt_when_ready(
@@ -112,7 +112,7 @@ def test_sigint_stops_all_children(tmp_path):
     ["--num_processes=2", "--", "no-such-command-xyz"],
 ])
 def test_usage_errors_are_one_line(args):
-  r = subprocess.run([sys.executable, LAUNCHER, *args], capture_output=True, text=True, timeout=60, check=False)
+  r = subprocess.run([sys.executable, *LAUNCHER, *args], capture_output=True, text=True, timeout=60, check=False)
   assert r.returncode != 0
   assert "Traceback" not in r.stderr
   assert len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 
-from microbench import collectives, hlo
-from microbench.sizes import format_size, parse_size, round_count, sweep
+from microbench.bench import collectives, hlo_check
+from microbench.hlo import parse
+from microbench.bench.sizes import format_size, parse_size, round_count, sweep
 
 
 def test_parse_size():
@@ -54,7 +55,7 @@ def test_references_on_a_group_of_three():
 @pytest.mark.parametrize("name", collectives.NAMES)
 def test_streamed_expectation_equals_the_reference(name):
   """`expected` (any range of one rank's output, on the known inputs) agrees with the NumPy spec."""
-  from microbench.known_inputs import block
+  from microbench.bench.known_inputs import block
   coll = collectives.get(name)
   rng = np.random.default_rng(0)
   for n in (1, 2, 3, 5):
@@ -67,7 +68,7 @@ def test_streamed_expectation_equals_the_reference(name):
 
 
 def test_known_inputs_any_range():
-  from microbench.known_inputs import values
+  from microbench.bench.known_inputs import values
   for start, stop in [(0, 40), (5, 100), (3, 3), (16, 17), (100, 1000)]:
     i = np.arange(start, stop)
     np.testing.assert_array_equal(values(3, start, stop), ((7 * i + 131 * 3) % 17 - 8).astype(np.float32))
@@ -82,7 +83,7 @@ HLO = """
 
 
 def test_find_collectives_explicit_iota_and_pairs():
-  found = {c.op: c for c in hlo.find_collectives(HLO)}
+  found = {c.op: c for c in parse.find_collectives(HLO)}
   assert found["all-reduce"].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
   assert found["all-gather"].groups == ((0, 1, 2, 3), (4, 5, 6, 7))
   assert found["collective-permute"].groups == ((0, 1), (1, 0))
@@ -91,10 +92,10 @@ def test_find_collectives_explicit_iota_and_pairs():
 
 def test_verify_rejects_wrong_groups_and_missing_ops():
   text = HLO.splitlines()[1]
-  assert hlo.verify(text, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]])).op == "all-reduce"
-  with pytest.raises(hlo.HloMismatch, match="expected all-reduce"):
-    hlo.verify(text, "all-reduce", np.array([[0, 1, 2, 3], [4, 5, 6, 7]]))
-  with pytest.raises(hlo.HloMismatch, match="no collective"):
-    hlo.verify("%x = f32[] add(%a, %b)", "all-gather", np.array([[0, 1]]))
-  with pytest.raises(hlo.HloMismatch, match="unexpected"):
-    hlo.verify(HLO, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]]))
+  assert hlo_check.verify(text, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]])).op == "all-reduce"
+  with pytest.raises(hlo_check.HloMismatch, match="expected all-reduce"):
+    hlo_check.verify(text, "all-reduce", np.array([[0, 1, 2, 3], [4, 5, 6, 7]]))
+  with pytest.raises(hlo_check.HloMismatch, match="no collective"):
+    hlo_check.verify("%x = f32[] add(%a, %b)", "all-gather", np.array([[0, 1]]))
+  with pytest.raises(hlo_check.HloMismatch, match="unexpected"):
+    hlo_check.verify(HLO, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]]))

@@ -1,4 +1,4 @@
-"""scripts/testbed.py: the emulated cluster shapes links as asked, runs concurrent jobs, reports each
+"""microbench-testbed: the emulated cluster shapes links as asked, runs concurrent jobs, reports each
 job's status, and leaves nothing behind (namespaces, /etc/netns entries, state) after success, failure,
 Ctrl-C or a crashed `up`. Tests that build namespaces need root and netns; they skip, saying why, where
 those are missing (CI runs as root)."""
@@ -21,9 +21,9 @@ from conftest import interrupt_when_ready
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from microbench import testbed as tbm  # pylint: disable=g-import-not-at-top
+from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
 
-TESTBED = os.path.join(REPO, "scripts", "testbed.py")
+TESTBED = ["-m", "microbench.cli.testbed"]  # the microbench-testbed console script
 JOB = os.path.join(REPO, "tests", "_psum_job.py")
 
 
@@ -47,7 +47,7 @@ needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"testbed can
 
 
 def run_testbed(*args: str, command: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-  argv = [sys.executable, TESTBED, *args] + (["--", *command] if command else [])
+  argv = [sys.executable, *TESTBED, *args] + (["--", *command] if command else [])
   return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
 
 
@@ -125,10 +125,10 @@ def test_usage_errors_are_one_line():
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_without_net_admin_says_so():
-  r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, TESTBED, "--hosts=2",
+  r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, *TESTBED, "--hosts=2",
                       "--", "true"], capture_output=True, text=True, timeout=60, check=False)
   assert r.returncode != 0
-  assert r.stderr.strip() == ("testbed: needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
+  assert r.stderr.strip() == ("microbench-testbed: needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network namespaces; "
                               "run it with sudo")
 
 
@@ -182,7 +182,7 @@ def test_up_run_concurrent_jobs_racks_and_down(bed_id, tmp_path):
 
 @needs_netns
 def test_sigint_removes_everything(bed_id, tmp_path):
-  proc = subprocess.Popen([sys.executable, TESTBED, f"--id={bed_id}", "--hosts=2", "--grace=1", "--",
+  proc = subprocess.Popen([sys.executable, *TESTBED, f"--id={bed_id}", "--hosts=2", "--grace=1", "--",
                            sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
   err = interrupt_when_ready(proc, lambda: len(list(tmp_path.glob("rank*.pid"))) >= 2)
@@ -195,7 +195,7 @@ def test_sigint_removes_everything(bed_id, tmp_path):
 
 @needs_netns
 def test_down_after_crashed_up(bed_id):
-  proc = subprocess.Popen([sys.executable, TESTBED, "up", f"--id={bed_id}", "--hosts=60"],
+  proc = subprocess.Popen([sys.executable, *TESTBED, "up", f"--id={bed_id}", "--hosts=60"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
   deadline = time.monotonic() + 30
   while not [ns for ns in tbm.list_netns() if ns.startswith(bed_id + "-h")] and time.monotonic() < deadline:

@@ -61,7 +61,7 @@ def test_group_rank_order_matches_axis_index_linearisation():
 
 
 def test_single_cpu_process_emulates_two_nodes_and_honours_nodes_per_rack():
-  from microbench import machine
+  from microbench.cluster import machine
 
   topo, mesh, note = machine.resolve(None, None)
   assert topo == Topology(1, 2, 4) and "emulated" in note

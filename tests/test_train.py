@@ -14,7 +14,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from microbench import hlo_comm, train  # noqa: E402
+from microbench import train  # noqa: E402
+from microbench.train import comm_fingerprint  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = {"xla_backend_optimization_level": 0}  # partitioning unchanged; LLVM codegen skipped: faster compiles
@@ -85,7 +86,7 @@ def test_hlo_comm_parses_every_form():
       "  %agd = f32[16]{0} all-gather-done(%ags)",
       "  ROOT %cp = f32[10]{0} collective-permute(%z), source_target_pairs={{0,1},{1,0}}",
   ])
-  fp = hlo_comm.comm_fingerprint(hlo, 8)
+  fp = comm_fingerprint.comm_fingerprint(hlo, 8)
   assert fp["all-reduce"] == {"count": 1, "bytes": 4096}
   assert fp["all-gather"] == {"count": 2, "bytes": 8 * 64 * 4 + 16 * 2 + 16 * 4}
   assert fp["reduce-scatter"] == {"count": 1, "bytes": 32 * 4 * 4}  # input = output x group of 4
@@ -100,7 +101,7 @@ def _cli(args: list[str], devices: int = 8, timeout: float = 240) -> subprocess.
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
   env.update(JAX_NUM_CPU_DEVICES=str(devices), JAX_PLATFORMS="cpu",
              PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-  return subprocess.run([sys.executable, "-m", "microbench.train_cli", *args], capture_output=True, text=True,
+  return subprocess.run([sys.executable, "-m", "microbench.cli.train", *args], capture_output=True, text=True,
                         timeout=timeout, env=env, cwd=ROOT)
 
 

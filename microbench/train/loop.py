@@ -1,10 +1,8 @@
-"""End-to-end training throughput of a Flax model under DP / FSDP / TP: the run loop and its reports.
+"""End-to-end training throughput of a Flax model: the run loop and its reports.
 
-`plan` checks the request and builds the mesh (strategies come from `meshes.parallelism`, placement on
-the machine from `microbench.machine`); `run` compiles the step ahead of time (compile time, memory and
-the communication fingerprint come from the compiled program), runs it, and writes one JSONL file
-(config, a line per step, summary), TensorBoard scalars and text, and optionally a profiler trace.
-Only process 0 writes.
+`run` compiles the step ahead of time (compile time, memory and the communication fingerprint come from
+the compiled program), runs it, and writes one JSONL file (config, a line per step, summary),
+TensorBoard scalars and text, and optionally a profiler trace. Only process 0 writes.
 """
 
 from __future__ import annotations
@@ -15,197 +13,17 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from meshes import parallelism as par
-from meshes.topology import Topology, TopologyError, parse_topology
-from microbench import hlo_comm, peaks
-from models import ModelError, ModelSpec, get_model
+from microbench.output.train_log import TrainLog
+from microbench.train import comm_fingerprint, peaks
+from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from models.optimizer import AdamWConfig, adamw
-from models.train_step import Trainer, variable_spec
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-METRICS_FILE = "metrics.jsonl"
-
-
-class ConfigError(ValueError):
-  """A request that can't run; the message is one line saying why and what is allowed."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  model: str = "gpt2"
-  size: str | None = None  # default per model family
-  layers: int | None = None  # override the size's depth
-  parallelism: str | None = None  # default: data parallel over every device
-  placement: str = "tp_inner"
-  batch: int = 8  # global
-  seq_len: int | None = None  # default: the model's context
-  steps: int = 10
-  warmup_steps: int = 2
-  dtype: str = "float32"
-  learning_rate: float = 3e-4
-  seed: int = 0
-  outdir: str | None = None  # run folder; default runs/train/<name>-<UTC time>
-  profile_steps: int = 0
-  topology: str | None = None
-  nodes_per_rack: int | None = None
-  write: bool = True  # False: no files (library use, tests)
-  # XLA options for the step's compile (library use: tests turn LLVM optimisation off to compile faster;
-  # SPMD partitioning, which decides the collectives and shardings, is the same).
-  compiler_options: dict[str, Any] | None = None
-  verbose: bool = True
-
-
-@dataclasses.dataclass
-class Plan:
-  cfg: TrainConfig
-  spec: ModelSpec
-  parallelism: par.Parallelism
-  axis_order: tuple[str, ...]
-  topology: Topology
-  topology_note: str
-  mesh: jax.sharding.Mesh
-  placement: dict[str, str]
-
-
-def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
-  """Everything that can be checked before JAX sees a device."""
-  try:
-    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len)
-    parallelism = par.parse_parallelism(cfg.parallelism) if cfg.parallelism else None
-    topology = parse_topology(cfg.topology) if cfg.topology else None
-    if parallelism is not None:
-      par.axis_order(cfg.placement, parallelism)
-  except (ModelError, par.ParallelismError, TopologyError) as e:
-    raise ConfigError(str(e)) from None
-  if cfg.dtype not in DTYPES:
-    raise ConfigError(f"--dtype={cfg.dtype}: choose {' or '.join(DTYPES)}")
-  if cfg.batch < 1:
-    raise ConfigError(f"--batch={cfg.batch} must be >= 1")
-  if cfg.steps < 1 or cfg.warmup_steps < 0 or cfg.warmup_steps >= cfg.steps:
-    raise ConfigError(f"--steps={cfg.steps} must exceed --warmup_steps={cfg.warmup_steps} (>= 0): the summary"
-                      " needs at least one step after warm-up")
-  if cfg.profile_steps < 0:
-    raise ConfigError(f"--profile_steps={cfg.profile_steps} must be >= 0")
-  if parallelism is not None and (tp := parallelism.degree("tp")) > 1:
-    for what, n in spec.tp_dims().items():
-      if n % tp:
-        raise ConfigError(f"tp:{tp} does not divide {cfg.model}-{spec.size}'s {what} ({n});"
-                          " choose a tensor-parallel degree that divides it")
-  return spec, parallelism, topology
-
-
-def cpu_devices_wanted(cfg: TrainConfig) -> Topology | None:
-  """How many CPU devices to emulate when the user chose none: the request's device count."""
-  if cfg.topology:
-    return parse_topology(cfg.topology)
-  if cfg.parallelism:
-    n = par.parse_parallelism(cfg.parallelism).num_devices
-    return Topology(1, 1, n)
-  return None
-
-
-def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
-  """Checks the request against the devices and lays the mesh on the machine.
-
-  `devices` (library use) takes those devices as one node instead of every device of the job.
-  """
-  from microbench import machine  # pylint: disable=g-import-not-at-top
-
-  spec, parallelism, topology = check_request(cfg)
-  if devices is not None:
-    devices = list(devices)
-    topology, note = Topology(1, 1, len(devices)), f"{len(devices)} given devices as one node"
-  else:
-    try:
-      topology, machine_mesh, note = machine.resolve(topology, cfg.nodes_per_rack)
-    except TopologyError as e:
-      raise ConfigError(str(e)) from None
-    devices = list(machine_mesh.devices.flat)  # node-contiguous
-  if parallelism is None:
-    parallelism = par.parse_parallelism(f"dp:{len(devices)}")
-    cfg = dataclasses.replace(cfg, parallelism=str(parallelism))
-    spec, parallelism, _ = check_request(cfg)
-  try:
-    parallelism = par.parse_parallelism(cfg.parallelism, len(devices))
-    order = par.axis_order(cfg.placement, parallelism)
-  except par.ParallelismError as e:
-    raise ConfigError(str(e)) from None
-  if cfg.batch % parallelism.batch_shards:
-    raise ConfigError(f"--batch={cfg.batch} is not divisible by dp x fsdp = {parallelism.batch_shards}:"
-                      " every batch shard needs the same number of examples")
-  mesh = par.build_mesh(parallelism, devices, order)
-  return Plan(cfg, spec, parallelism, order, topology, note, mesh,
-              par.describe_placement(parallelism, order, topology))
-
-
-def check_shardable(trainer: Trainer, p: Plan) -> None:
-  """Every sharded parameter dimension divides evenly, and every used mesh axis splits something."""
-  sizes = p.parallelism.axis_sizes
-  used = {a for a, n in sizes.items() if n > 1}
-  touched = set()
-  for names in p.spec.batch_spec().values():
-    touched |= {a for e in par.spec_for(names) if e for a in (e if isinstance(e, tuple) else (e,))}
-  flat = jax.tree_util.tree_flatten_with_path(trainer.abstract_params,
-                                              is_leaf=lambda x: hasattr(x, "get_metadata"))[0]
-  for path, v in flat:
-    spec = variable_spec(v)
-    for dim, entry in zip(v.shape, spec):
-      axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-      touched |= set(axes)
-      n = int(np.prod([sizes[a] for a in axes])) if axes else 1
-      if dim % n:
-        name = ".".join(str(getattr(k, "key", k)) for k in path)
-        raise ConfigError(f"{'x'.join(f'{a}:{sizes[a]}' for a in axes)} does not divide dimension {dim} of"
-                          f" parameter {name} {tuple(v.shape)}; choose degrees that divide the model's dims")
-  idle = sorted(used - touched)
-  if idle:
-    flags = [s.flag for s in par.STRATEGIES if s.axis in idle]
-    raise ConfigError(f"{p.cfg.model} names no dimension that {','.join(flags)} splits; use"
-                      f" {'dp or fsdp' if p.spec.family == 'resnet' else 'another strategy'}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Outputs
-
-
-class _Writer:
-  """JSONL (flushed per line) and TensorBoard, on process 0 only."""
-
-  def __init__(self, run_dir: str | None):
-    self.run_dir = run_dir
-    self._jsonl = self._tb = None
-    if run_dir:
-      from microbench.tensorboard_log import TensorBoardLog  # pylint: disable=g-import-not-at-top
-      os.makedirs(run_dir, exist_ok=True)
-      self._jsonl = open(os.path.join(run_dir, METRICS_FILE), "w")
-      self._tb = TensorBoardLog(run_dir)
-
-  def line(self, record: dict[str, Any]) -> None:
-    if self._jsonl:
-      self._jsonl.write(json.dumps(record) + "\n")
-      self._jsonl.flush()
-
-  def scalars(self, values: dict[str, float], step: int) -> None:
-    if self._tb:
-      for tag, v in values.items():
-        if v is not None and np.isfinite(v):
-          self._tb.scalar(tag, v, step)
-
-  def text(self, tag: str, text: str, step: int = 0) -> None:
-    if self._tb:
-      self._tb.text(tag, text, step)
-
-  def close(self) -> None:
-    if self._jsonl:
-      self._jsonl.close()
-      self._tb.close()
+from models.train_step import Trainer
 
 
 def _markdown(d: dict[str, Any]) -> str:
@@ -244,10 +62,6 @@ def default_run_dir(cfg: TrainConfig) -> str:
   stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
   name = f"{cfg.model}-{cfg.size or 'default'}_{(cfg.parallelism or 'dp').replace(':', '').replace(',', '-')}"
   return os.path.join("runs", "train", f"{name}_{stamp}")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The run
 
 
 @dataclasses.dataclass
@@ -309,7 +123,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "processes": jax.process_count(), "jax_version": jax.__version__,
   }
   run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
-  out = _Writer(run_dir)
+  out = TrainLog(run_dir)
   out.line(config_record)
   out.text("config", _markdown({k: v for k, v in config_record.items() if k != "kind"}))
   say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
@@ -324,7 +138,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   compiled = trainer.compile_step(cfg.compiler_options)
   compile_s = time.perf_counter() - t0
   memory = _memory(compiled)
-  comm = hlo_comm.comm_fingerprint(compiled.as_text(), n)
+  comm = comm_fingerprint.comm_fingerprint(compiled.as_text(), n)
   hlo_flops = _hlo_flops(compiled)
   params, rest, opt_state = trainer.init_state()
   make_batch = trainer.batch_fn()

@@ -1,7 +1,7 @@
 """Runs the processes of one or more distributed jobs and stops them all when one fails.
 
-Shared by `scripts/launch_local.py` (every process on this host) and `scripts/testbed.py` (each
-process inside an emulated host). A multi-process JAX job whose rank dies leaves the others blocked in
+Shared by `microbench-launch` (every process on this host) and `microbench-testbed` (each process inside
+an emulated host). A multi-process JAX job whose rank dies leaves the others blocked in
 a collective or the coordinator until their own timeouts fire, so the runner watches every rank and, at
 the first failure, names it, shows its log tail and stops the rest (SIGTERM to the whole process group,
 SIGKILL after a grace period). Every process's output goes to its own log file; rank 0's is also passed
@@ -61,7 +61,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def distributed_flags(coordinator: str, num_processes: int, process_id: int) -> list[str]:
-  """The flags appended to each process's command line (see microbench/distributed.py)."""
+  """The flags appended to each process's command line (see microbench.cli.cluster_flags)."""
   return ["--distributed", f"--coordinator_address={coordinator}", f"--num_processes={num_processes}",
           f"--process_id={process_id}"]
 
@@ -285,14 +285,15 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
   return results
 
 
-def run_script(main: Callable[[list[str]], int], command: list[str], name: str, flag_module: str) -> None:
-  """`SCRIPT [--flags] -- COMMAND ...`: what follows `--` is appended to `command`; flags and bad input are
-  handled as in every other command (microbench.cli_runner)."""
-  from microbench import cli_runner  # pylint: disable=g-import-not-at-top
-
-  argv = sys.argv
-  if "--" in argv:
-    cut = argv.index("--")
-    command.extend(argv[cut + 1:])
-    argv = argv[:cut]
-  cli_runner.run(main, name, [flag_module], argv=argv)
+def local_job(command: Sequence[str], num_processes: int, devices_per_process: int, log_dir: str,
+              coordinator: str, processes_per_host: int = 0, pass_flags: bool = True) -> list[Proc]:
+  """The processes of one job on this host: rank I gets the distributed flags and environment, and with
+  `processes_per_host` > 0 each group of that many ranks reports host name host0, host1, ..."""
+  procs = []
+  for i in range(num_processes):
+    host = f"host{i // processes_per_host}" if processes_per_host else socket.gethostname()
+    argv = list(command) + (distributed_flags(coordinator, num_processes, i) if pass_flags else [])
+    env = with_repo_on_path(dict(os.environ, **distributed_env(coordinator, num_processes, i, devices_per_process,
+                                                                host)))
+    procs.append(Proc("", i, argv, env, os.path.join(log_dir, f"rank{i}.log"), passthrough=(i == 0)))
+  return procs

@@ -18,8 +18,9 @@ import numpy as np
 
 from meshes.scopes import ScopePlan
 from meshes.topology import AXES
-from microbench import hlo, known_inputs
-from microbench.collectives import Collective
+from microbench.bench import hlo_check, known_inputs
+from microbench.bench.collectives import Collective
+from microbench.hlo.parse import HloCollective
 
 CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check stays small
 
@@ -48,7 +49,7 @@ class Program:
   count: int  # elements of the S buffer per rank
   compiled: Callable
   hlo_text: str
-  hlo_match: hlo.HloCollective
+  hlo_match: HloCollective
   compile_s: float
   mesh: jax.sharding.Mesh
   x: jax.Array | None = None
@@ -77,7 +78,7 @@ def _scalar(mesh: jax.sharding.Mesh, value: int) -> jax.Array:
 
 
 def build(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str) -> Program:
-  """Compiles the repeated-collective program and checks its HLO (raises hlo.HloMismatch)."""
+  """Compiles the repeated-collective program and checks its HLO (raises hlo_check.HloMismatch)."""
   n = scope.group_size
   in_count, out_count = coll.in_count(count, n), coll.out_count(count, n)
   jdtype = DTYPES[dtype]
@@ -100,7 +101,7 @@ def build(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: in
   compile_s = time.perf_counter() - t0
   text = compiled.as_text()
   platform = mesh.devices.flat[0].platform
-  match = hlo.verify(text, coll.hlo_expect(platform), scope.groups)
+  match = hlo_check.verify(text, coll.hlo_expect(platform), scope.groups)
   return Program(coll, scope, dtype, count, compiled, text, match, compile_s, mesh)
 
 

@@ -33,7 +33,7 @@ def prepare_cpu_devices(topology: Topology | None, distributed: bool) -> bool:
 def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topology, Any, str]:
   """The run's topology, its mesh and a note on where the topology came from."""
   import jax  # pylint: disable=g-import-not-at-top
-  from microbench.distributed import process_hosts  # pylint: disable=g-import-not-at-top
+  from microbench.cluster.distributed import process_hosts  # pylint: disable=g-import-not-at-top
 
   devices = ordered_devices()
   hosts = process_hosts()

@@ -1,8 +1,8 @@
-"""Reading collectives out of compiled HLO text, to prove the benchmark measures what it claims.
+"""Reading collective instructions out of compiled HLO text: opcode, result type, replica groups.
 
-XLA drops degenerate collectives, merges small ones and may rewrite others; a wrong PartitionSpec silently
-measures something else. So every program is checked: the intended op is present and its replica groups
-(or source-target pairs) are exactly the scope's groups.
+Shared by the benchmark's HLO check (microbench.bench.hlo_check) and the training step's communication
+fingerprint (microbench.train.comm_fingerprint): both must see what XLA really compiled, not what the
+program asked for.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-
 # `%name = type op(` and the async `op-start(` forms; the type may be a tuple with spaces and comments.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(_OPS) +
                     r")(?P<start>-start)?\((?P<rest>.*)$")
-
-
-class HloMismatch(RuntimeError):
-  """The compiled program does not contain the collective the benchmark intends to time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,30 +82,32 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
   return out
 
 
-def expected_groups(op: str, groups: np.ndarray) -> frozenset:
-  """Canonical form of what `op` over `groups` ([num_groups, n] of device ids) must show in HLO."""
-  if op == "collective-permute":
-    n = groups.shape[1]
-    return frozenset((int(g[i]), int(g[(i + 1) % n])) for g in groups for i in range(n))
-  return frozenset(frozenset(int(v) for v in g) for g in groups)
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 
 
-def _canonical(c: HloCollective) -> frozenset:
-  if c.op == "collective-permute":
-    return frozenset(tuple(p) for p in c.groups)
-  return frozenset(frozenset(g) for g in c.groups)
+def array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
+  out = []
+  for dt, dims in _ARRAY.findall(type_text):
+    if dt in _BYTES:
+      out.append(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+  return out
 
 
-def verify(hlo_text: str, op: str, groups: np.ndarray) -> HloCollective:
-  """Asserts `op` appears over exactly `groups` and no other collective does; returns the match."""
-  found = find_collectives(hlo_text)
-  want = expected_groups(op, groups)
-  matches = [c for c in found if c.op == op and _canonical(c) == want]
-  others = [c for c in found if c not in matches]
-  if not matches:
-    seen = "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in found) or "no collective at all"
-    raise HloMismatch(f"expected {op} over groups {groups.tolist()}, compiled program has: {seen}")
-  if others:
-    raise HloMismatch(f"compiled program has unexpected collectives besides {op}: "
-                      + "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in others))
-  return matches[0]
+def group_size(rest: str, num_devices: int) -> int:
+  """Devices per replica group, from any of XLA's printed forms (`{}` means all devices)."""
+  m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", rest)
+  if m:
+    return len([v for v in m.group(1).split(",") if v.strip()])
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+  if m:
+    return int(m.group(2))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\].*?\}?\s*\{([^}]*)\}", rest)
+  if m:
+    sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    names = re.findall(r"'([^']+)'", m.group(2))
+    if names and all(n in sizes for n in names):
+      return int(np.prod([sizes[n] for n in names]))
+  return num_devices

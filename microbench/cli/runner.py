@@ -27,3 +27,14 @@ def run(main: Callable[[list[str]], int | None], name: str, flag_modules: Sequen
       return EXIT_USAGE
 
   app.run(guarded, argv=argv)
+
+
+def run_with_command(main: Callable[[list[str]], int], command: list[str], name: str, flag_module: str) -> None:
+  """`NAME [--flags] -- COMMAND ...` (the launchers): what follows `--` is appended to `command`; the
+  flags before it are handled as for every other command."""
+  argv = sys.argv
+  if "--" in argv:
+    cut = argv.index("--")
+    command.extend(argv[cut + 1:])
+    argv = argv[:cut]
+  run(main, name, [flag_module], argv=argv)

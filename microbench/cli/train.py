@@ -6,7 +6,8 @@ import logging
 
 from absl import app, flags
 
-from microbench import cli_runner, distributed  # noqa: F401  (distributed defines flags)
+from microbench.cli import cluster_flags, runner
+from microbench.cluster import distributed
 from models import FAMILIES
 
 FLAGS = flags.FLAGS
@@ -42,7 +43,8 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}: every option is a --flag (see --help)")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  from microbench import machine, train  # pylint: disable=g-import-not-at-top
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
 
   cfg = train.TrainConfig(
       model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
@@ -52,7 +54,7 @@ def main(argv: list[str]) -> None:
       nodes_per_rack=FLAGS.nodes_per_rack)
   try:
     train.check_request(cfg)  # before any device is touched
-    distributed.initialize()
+    distributed.initialize(cluster_flags.settings())
     machine.prepare_cpu_devices(train.cpu_devices_wanted(cfg), FLAGS.distributed)
     train.run(cfg)
   except train.ConfigError as e:
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  cli_runner.run(main, "microbench-train", ["microbench.train", "microbench.distributed"])
+  runner.run(main, "microbench-train", ["microbench.train", cluster_flags.__name__])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
-"""Runs N processes of a command on this host as one jax.distributed job.
+"""`microbench-launch`: N processes of a command on this host as one jax.distributed job (flags only; the
+work is in microbench.cluster.launch).
 
-  scripts/launch_local.py --num_processes=4 --devices_per_process=2 -- python -m microbench ...
+  microbench-launch --num_processes=4 --devices_per_process=2 -- microbench --scopes=scale_out ...
 
 Process I gets `--distributed --coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=I`
 appended (unless --pass_flags=false) and MICROBENCH_COORDINATOR / MICROBENCH_NUM_PROCESSES /
@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
-
-from microbench import launch  # pylint: disable=g-import-not-at-top
+from microbench.cli import runner
+from microbench.cluster import launch
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_processes", None, "Processes in the job.", lower_bound=1)
@@ -39,18 +37,19 @@ flags.DEFINE_float("grace", 2, "Seconds between SIGTERM and SIGKILL when stoppin
 flags.DEFINE_bool("pass_flags", True, "Append the --distributed ... flags to the command (else env only).")
 flags.DEFINE_integer("port", 0, "Coordinator port on 127.0.0.1 (0: pick a free one).", lower_bound=0)
 
+NAME = "microbench-launch"
 _COMMAND: list[str] = []
 
 
 def say(msg: str) -> None:
-  print(f"launch_local: {msg}", file=sys.stderr, flush=True)
+  print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; put the command after --")
   if not _COMMAND:
-    raise app.UsageError("no command: scripts/launch_local.py --num_processes=N -- <command ...>")
+    raise app.UsageError(f"no command: {NAME} --num_processes=N -- <command ...>")
   if FLAGS.num_processes is None:
     raise app.UsageError("--num_processes is required")
   if shutil.which(_COMMAND[0]) is None:
@@ -62,13 +61,8 @@ def main(argv: list[str]) -> int:
   except OSError as e:
     raise app.UsageError(f"cannot create --log_dir={log_dir}: {e.strerror}") from None
   coordinator = f"127.0.0.1:{FLAGS.port or launch.free_port()}"
-  procs = []
-  for i in range(n):
-    host = f"host{i // FLAGS.processes_per_host}" if FLAGS.processes_per_host else socket.gethostname()
-    argv_i = list(_COMMAND) + (launch.distributed_flags(coordinator, n, i) if FLAGS.pass_flags else [])
-    env = launch.with_repo_on_path(
-        dict(os.environ, **launch.distributed_env(coordinator, n, i, FLAGS.devices_per_process, host)))
-    procs.append(launch.Proc("", i, argv_i, env, os.path.join(log_dir, f"rank{i}.log"), passthrough=(i == 0)))
+  procs = launch.local_job(_COMMAND, n, FLAGS.devices_per_process, log_dir, coordinator,
+                           FLAGS.processes_per_host, FLAGS.pass_flags)
   say(f"{n} process(es) x {FLAGS.devices_per_process} device(s), coordinator {coordinator}, logs in {log_dir}")
   launch.install_signal_handlers()
   try:
@@ -84,7 +78,8 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-  launch.run_script(main, _COMMAND, "launch_local", __name__)
+  """Console-script entry point."""
+  runner.run_with_command(main, _COMMAND, NAME, __name__)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`microbench`: nccl-tests-style collective sweeps over the machine's fabric levels.
 
-Flags only; the work is in microbench.sweep.
+Flags only; the work is in microbench.bench.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import sys
 from absl import app, flags
 
 from meshes.scopes import SCOPES
-from microbench import cli_runner, collectives, distributed, machine, outputs, run_collectives, sizes, sweep  # noqa: F401 (distributed defines flags)
-from microbench.timing import DTYPES
+from microbench.bench import collectives, run as bench_run, sizes, sweep
+from microbench.bench.program import DTYPES
+from microbench.cli import cluster_flags, runner
+from microbench.cluster import machine
+from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
 
@@ -105,13 +108,13 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(str(e)) from None
   outdir = FLAGS.resume or FLAGS.outdir or os.path.join(
       "runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
-  if not FLAGS.resume and outputs.read_meta(outdir) is not None:
+  if not FLAGS.resume and run_folder.read_meta(outdir) is not None:
     raise app.UsageError(f"--outdir={outdir} already holds a run: choose a new folder, or continue that run"
                          f" with --resume={outdir}")
   flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
-  code = run_collectives.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume),
-                                 nodes_per_rack=FLAGS.nodes_per_rack, flag_values=flag_values)
-  if code == run_collectives.JOB_FAILED:
+  code = bench_run.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume), nodes_per_rack=FLAGS.nodes_per_rack,
+                           flag_values=flag_values, cluster=cluster_flags.settings())
+  if code == bench_run.JOB_FAILED:
     # A peer is gone: skip jax.distributed's shutdown barrier, which would only wait for it and abort.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -121,9 +124,9 @@ def main(argv: list[str]) -> int:
 
 def _load_resumed_flags(outdir: str) -> None:
   """A resumed run repeats the interrupted run's sweep: its flags come from that run's meta.json."""
-  meta = outputs.read_meta(outdir)
+  meta = run_folder.read_meta(outdir)
   if meta is None:
-    raise app.UsageError(f"--resume={outdir}: no {outputs.META} there; pass the folder of an earlier run"
+    raise app.UsageError(f"--resume={outdir}: no {run_folder.META} there; pass the folder of an earlier run"
                          " (on a multi-host job, a folder every process sees)")
   for name in SWEEP_FLAGS:
     if name in meta.get("flags", {}):
@@ -132,4 +135,4 @@ def _load_resumed_flags(outdir: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  cli_runner.run(main, "microbench", [__name__, "microbench.distributed"])
+  runner.run(main, "microbench", [__name__, cluster_flags.__name__])

@@ -11,7 +11,9 @@ from absl import app
 
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
-from microbench import distributed, machine, outputs, sizes, sweep
+from microbench.bench import sizes, sweep
+from microbench.cluster import distributed, machine
+from microbench.output import run_folder, table
 
 # Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4
@@ -50,9 +52,10 @@ def _raise_interrupt(signum, frame):
 
 
 def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
-            nodes_per_rack: int | None, flag_values: dict[str, Any]) -> int:
-  distributed.initialize()
-  emulated = machine.prepare_cpu_devices(topology, flag_values.get("distributed", False))
+            nodes_per_rack: int | None, flag_values: dict[str, Any],
+            cluster: distributed.Settings = distributed.Settings()) -> int:
+  distributed.initialize(cluster)
+  emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
   import jax  # pylint: disable=g-import-not-at-top
   try:
     topology, mesh, note = machine.resolve(topology, nodes_per_rack)
@@ -61,10 +64,10 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   _check_memory(cfg)
   hosts = distributed.process_hosts()
   plans = plan_scopes(topology, cfg.scopes)
-  out = outputs.RunOutputs(outdir, enabled=jax.process_index() == 0)
-  previous = outputs.read_results(outdir) if resumed else []
+  out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
+  previous = run_folder.read_results(outdir) if resumed else []
   done = sweep.finished_points(previous)
-  old_meta = (outputs.read_meta(outdir) or {}) if resumed else {}
+  old_meta = (run_folder.read_meta(outdir) or {}) if resumed else {}
   meta = {
       **machine.describe(mesh, hosts),
       "topology": topology.as_dict(), "topology_source": note, "cpu_devices_emulated": emulated,
@@ -103,7 +106,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.close()
   everything = sweep.latest(previous + records)
   out.print()
-  out.print(outputs.summary(everything))
+  out.print(table.summary(everything))
   wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")
   errors = [r for r in everything if r["status"] == "error"]
   skipped = [r for r in everything if r["status"] == "skipped"]

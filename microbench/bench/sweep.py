@@ -14,8 +14,10 @@ import numpy as np
 
 from meshes.scopes import ScopePlan
 from meshes.topology import Topology
-from microbench import collectives, distributed, hlo, outputs, timing
-from microbench.sizes import round_count, sweep
+from microbench.bench import collectives, hlo_check, program
+from microbench.bench.sizes import round_count, sweep
+from microbench.cluster import distributed
+from microbench.output import run_folder, table
 
 
 class JobFailed(RuntimeError):
@@ -84,7 +86,7 @@ def _stats(per_proc: np.ndarray) -> dict[str, Any]:
 
 def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collective, dtype: str,
               requested: int, barrier) -> dict[str, Any]:
-  itemsize = np.dtype(timing.DTYPES[dtype]).itemsize
+  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
   n = plan.group_size
   count = round_count(requested, itemsize, coll.count_multiple(n))
   platform = mesh.devices.flat[0].platform
@@ -95,23 +97,23 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       "num_processes": jax.process_count(),
   }
   try:
-    prog = timing.build(coll, mesh, plan, count, dtype)
-  except hlo.HloMismatch as e:
+    prog = program.build(coll, mesh, plan, count, dtype)
+  except hlo_check.HloMismatch as e:
     return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
   except Exception as e:  # pylint: disable=broad-except
     return {**rec, "status": "skipped", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec["compile_s"] = prog.compile_s
   rec["hlo"] = prog.hlo_match.text[:400]
   try:
-    wrong = timing.check(prog, compare=cfg.check)
+    wrong = program.check(prog, compare=cfg.check)
     if not cfg.check:
       wrong = None
     delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
-    iters = timing.choose_iters(prog, cfg.iters, cfg.sample_s)
+    iters = program.choose_iters(prog, cfg.iters, cfg.sample_s)
     if jax.process_count() > 1:  # every process must run the same program the same number of times
       iters = int(_gather(np.asarray([iters])).min())
     rec["iters"] = iters
-    times = timing.time_runs(prog, iters, cfg.warmup, cfg.samples, barrier, delay)
+    times = program.time_runs(prog, iters, cfg.warmup, cfg.samples, barrier, delay)
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}
@@ -129,11 +131,11 @@ def _first_line(e: BaseException) -> str:
   return text[0][:300] if text else ""
 
 
-def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan], out: outputs.RunOutputs,
+def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan], out: run_folder.RunOutputs,
               done: set[tuple] = frozenset()) -> list[dict[str, Any]]:
   """Runs every point not in `done`, records each as it finishes, returns the records of this run."""
   sizes = sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor)
-  barrier = timing.make_barrier(mesh)
+  barrier = program.make_barrier(mesh)
   records: list[dict[str, Any]] = []
   active = [p for p in plans if not p.skip_reason]
   for p in plans:
@@ -148,8 +150,8 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
     out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
               f"{plan.group_size}, {coll.impl(mesh.devices.flat[0].platform)}, busbw factor "
               f"{coll.busbw_factor(plan.group_size):.4g}")
-    out.print("#" + outputs.HEADER[1:])
-    out.print("#" + outputs.UNITS[1:])
+    out.print("#" + table.HEADER[1:])
+    out.print("#" + table.UNITS[1:])
     for size in sizes:
       index += 1
       key = (cname, plan.name, dtype, size)
@@ -166,6 +168,6 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
         raise JobFailed(rec["reason"])  # not recorded: the point was never measured
       out.record(rec)
       records.append(rec)
-      out.print(outputs.format_row(rec))
+      out.print(table.format_row(rec))
   out.print(f"\n# {len(records)} point(s) in {time.perf_counter() - t_start:.1f} s")
   return records

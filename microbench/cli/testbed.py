@@ -1,34 +1,34 @@
-#!/usr/bin/env python3
-"""An emulated cluster on one machine: hosts are network namespaces behind tc-shaped links.
+"""`microbench-testbed`: an emulated cluster on one machine, hosts are network namespaces behind tc-shaped
+links (flags and modes only; the work is in microbench.cluster.testbed and .testbed_jobs).
 
 One-shot (build, run one job with process i in host i, remove everything):
-  scripts/testbed.py --hosts=2 --host_rate=200mbit [--host_delay=1ms] -- python -m microbench ...
-  scripts/testbed.py --hosts=4 --racks=2 --host_rate=400mbit --uplink_rate=100mbit -- <command ...>
+  microbench-testbed --hosts=2 --host_rate=200mbit [--host_delay=1ms] -- python -m microbench ...
+  microbench-testbed --hosts=4 --racks=2 --host_rate=400mbit --uplink_rate=100mbit -- <command ...>
 Long-lived, for several concurrent jobs (multi-tenancy):
-  scripts/testbed.py up --hosts=4 --host_rate=200mbit [--id=tbNAME]      # prints the id and state file
-  scripts/testbed.py run --id=tbNAME --hosts=0,1 --hosts=0-3 -- <command>  # 2 jobs, sharing hosts 0,1
-  scripts/testbed.py down --id=tbNAME                                    # or --state=PATH, or --all
+  microbench-testbed up --hosts=4 --host_rate=200mbit [--id=tbNAME]      # prints the id and state file
+  microbench-testbed run --id=tbNAME --hosts=0,1 --hosts=0-3 -- <command>  # 2 jobs, sharing hosts 0,1
+  microbench-testbed down --id=tbNAME                                    # or --state=PATH, or --all
 
 Each job gets its own coordinator (on its first host's address, a free port) and every process gets
 `--distributed --coordinator_address=... --num_processes=N --process_id=I` appended (unless
 --pass_flags=false), plus MICROBENCH_* env vars, JAX_NUM_CPU_DEVICES and MICROBENCH_HOSTNAME=<ns name>.
-Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN); see microbench/testbed.py for the topology.
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN); see microbench/cluster/testbed.py for the topology.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import app, flags
 
-from absl import app, flags  # pylint: disable=g-import-not-at-top
-
-from microbench import launch  # pylint: disable=g-import-not-at-top
-from microbench import testbed as tbm  # pylint: disable=g-import-not-at-top
+from microbench.cli import runner
+from microbench.cluster import launch, testbed_jobs
+from microbench.cluster import testbed as tbm
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("hosts", None,
@@ -53,8 +53,11 @@ _COMMAND: list[str] = []
 MODES = ("up", "run", "down")
 
 
+NAME = "microbench-testbed"
+
+
 def say(msg: str) -> None:
-  print(f"testbed: {msg}", file=sys.stderr, flush=True)
+  print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
 
 
 def _shape_kwargs() -> dict:
@@ -70,24 +73,6 @@ def _host_count() -> int:
   if not FLAGS.hosts or len(FLAGS.hosts) != 1 or not FLAGS.hosts[0].isdigit():
     raise app.UsageError("--hosts=H (one number of hosts) is required")
   return int(FLAGS.hosts[0])
-
-
-def _parse_hosts(spec: str, hosts: int) -> list[int]:
-  """'0,1' / '0-3' / '0,0,1' (two processes on host 0) -> host indices."""
-  out = []
-  for part in spec.split(","):
-    try:
-      if "-" in part:
-        lo, hi = (int(x) for x in part.split("-"))
-        out.extend(range(lo, hi + 1))
-      else:
-        out.append(int(part))
-    except ValueError as e:
-      raise app.UsageError(f"bad --hosts={spec!r}: want e.g. 0,1 or 0-3") from e
-  bad = [h for h in out if not 0 <= h < hosts]
-  if not out or bad:
-    raise app.UsageError(f"--hosts={spec!r}: hosts must be in 0..{hosts - 1}")
-  return out
 
 
 def _new_testbed() -> tbm.Testbed:
@@ -117,48 +102,24 @@ def _existing_state() -> str:
 
 
 def _run_jobs(bed: tbm.Testbed, host_lists: list[list[int]]) -> int:
-  """Runs one job per host list, concurrently; prints and returns (worst) exit status."""
+  """Runs one job per host list, concurrently; prints and returns the first failed job's exit status."""
   log_root = FLAGS.log_dir or tempfile.mkdtemp(prefix=f"microbench-{bed.prefix}-")
-  jobs: dict[str, list[launch.Proc]] = {}
-  for j, hosts in enumerate(host_lists):
-    name = str(j)
-    log_dir = os.path.join(log_root, f"job{j}")
-    try:
-      os.makedirs(log_dir, exist_ok=True)
-    except OSError as e:
-      raise app.UsageError(f"cannot create log dir {log_dir}: {e.strerror}") from None
-    coordinator = f"{bed.addr(hosts[0])}:{bed.free_port(hosts[0])}"
-    n = len(hosts)
-    procs = []
-    for i, h in enumerate(hosts):
-      argv = bed.exec_argv(h, list(_COMMAND) + (launch.distributed_flags(coordinator, n, i) if FLAGS.pass_flags
-                                                 else []))
-      env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
-          coordinator, n, i, FLAGS.devices_per_process, bed.host_name(h), job=name)))
-      procs.append(launch.Proc(name if len(host_lists) > 1 else "", i, argv, env,
-                               os.path.join(log_dir, f"rank{i}.log"), passthrough=(i == 0),
-                               prefix=f"[job{j}] " if len(host_lists) > 1 else ""))
-    jobs[name] = procs
-    say(f"job {j}: {n} process(es) on host(s) {','.join(map(str, hosts))}, coordinator {coordinator}, "
-        f"logs in {log_dir}")
-  results = launch.run_jobs(jobs, timeout=FLAGS.timeout or None, grace=FLAGS.grace, say=say)
-  report = []
-  for j, hosts in enumerate(host_lists):
-    r = results[str(j)]
-    status = "exit 0" if r.returncode == 0 else f"FAILED (exit {r.returncode}: {r.reason})"
-    say(f"job {j} on host(s) {','.join(map(str, hosts))}: {status} in {r.seconds:.1f} s")
-    report.append(dict(job=j, hosts=hosts, returncode=r.returncode, failed_rank=r.failed_rank,
-                       failed_code=r.failed_code, reason=r.reason, seconds=round(r.seconds, 3),
-                       log_dir=os.path.join(log_root, f"job{j}")))
+  try:
+    reports = testbed_jobs.run_jobs(bed, host_lists, _COMMAND, log_root=log_root,
+                                    devices_per_process=FLAGS.devices_per_process, pass_flags=FLAGS.pass_flags,
+                                    timeout=FLAGS.timeout or None, grace=FLAGS.grace, say=say)
+  except OSError as e:
+    raise app.UsageError(f"cannot create a log dir under {log_root}: {e.strerror}") from None
   if FLAGS.report:
     with open(FLAGS.report, "w", encoding="utf-8") as f:
-      json.dump(dict(testbed=bed.prefix, command=_COMMAND, jobs=report), f, indent=1)
-  return next((r["returncode"] for r in report if r["returncode"]), 0)
+      json.dump(dict(testbed=bed.prefix, command=_COMMAND, jobs=[dataclasses.asdict(r) for r in reports]), f,
+                indent=1)
+  return next((r.returncode for r in reports if r.returncode), 0)
 
 
 def _need_command() -> None:
   if not _COMMAND:
-    raise app.UsageError("no command: put it after --, e.g. scripts/testbed.py --hosts=2 -- python job.py")
+    raise app.UsageError("no command: put it after --, e.g. microbench-testbed --hosts=2 -- python job.py")
   if shutil.which(_COMMAND[0]) is None:
     raise app.UsageError(f"command not found: {_COMMAND[0]}")
 
@@ -199,8 +160,11 @@ def _run() -> int:
   _need_command()
   bed = tbm.Testbed.load(_existing_state())
   bed.check_alive()
-  host_lists = [_parse_hosts(spec, bed.hosts) for spec in FLAGS.hosts] if FLAGS.hosts else [
-      list(range(bed.hosts))]
+  try:
+    host_lists = [testbed_jobs.parse_host_list(spec, bed.hosts) for spec in FLAGS.hosts] if FLAGS.hosts else [
+        list(range(bed.hosts))]
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
   launch.install_signal_handlers()
   try:
     return _run_jobs(bed, host_lists)
@@ -248,7 +212,8 @@ def main(argv: list[str]) -> int:
 
 
 def run() -> None:
-  launch.run_script(main, _COMMAND, "testbed", __name__)
+  """Console-script entry point."""
+  runner.run_with_command(main, _COMMAND, NAME, __name__)
 
 
 if __name__ == "__main__":

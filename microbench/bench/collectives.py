@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from microbench.known_inputs import values
+from microbench.bench.known_inputs import values
 
 REGISTRY: dict[str, "Collective"] = {}
 

@@ -1,0 +1,33 @@
+"""Flags every command shares: joining a multi-process `jax.distributed` job, and racks of nodes.
+
+Importing this module defines them; `settings()` turns them into microbench.cluster.distributed.Settings.
+"""
+
+from __future__ import annotations
+
+from absl import flags
+
+from microbench.cluster.distributed import Settings
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_bool("distributed", False, "Initialise jax.distributed (auto-detects SLURM / Open MPI).")
+flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
+flags.DEFINE_integer("num_processes", None, "Number of processes in the job.", lower_bound=1)
+flags.DEFINE_integer("process_id", None, "This process's index.", lower_bound=0)
+flags.DEFINE_integer("nodes_per_rack", None,
+                     "Group this many nodes (hosts) into one rack (NVLink domain). Default: one rack.",
+                     lower_bound=1)
+flags.DEFINE_integer("heartbeat_timeout", 10,
+                     "Seconds without a heartbeat before a peer is declared dead.", lower_bound=1)
+flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for all processes to join.", lower_bound=1)
+flags.DEFINE_integer("collective_timeout", 45,
+                     "Seconds a CPU (gloo) collective may wait for its peers before failing.", lower_bound=1)
+
+
+def settings() -> Settings:
+  """The parsed flags as distributed-start-up settings."""
+  return Settings(enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
+                  num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+                  heartbeat_timeout=FLAGS.heartbeat_timeout, init_timeout=FLAGS.init_timeout,
+                  collective_timeout=FLAGS.collective_timeout)

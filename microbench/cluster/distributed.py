@@ -1,0 +1,81 @@
+"""Multi-process runs: `jax.distributed` start-up, each process's host, and whether an error means a peer died.
+
+With `enabled` and nothing else, JAX auto-detects SLURM and Open MPI; the explicit settings override.
+Timeouts are short so a dead peer ends the job in seconds instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import socket
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """How to join a multi-process job (from the --distributed flags of microbench.cli.cluster_flags).
+
+  `enabled` alone lets JAX auto-detect SLURM and Open MPI; the explicit fields override."""
+  enabled: bool = False
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  heartbeat_timeout: int = 10
+  init_timeout: int = 120
+  collective_timeout: int = 45
+
+
+HOSTNAME_ENV = "MICROBENCH_HOSTNAME"  # lets tests and the testbed present processes as separate hosts
+
+
+def hostname() -> str:
+  return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
+
+
+def initialize(settings: Settings) -> None:
+  """Starts jax.distributed when `settings.enabled`; a no-op otherwise. Call before any JAX use."""
+  if not settings.enabled:
+    return
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_collective_timeout_seconds" not in xla_flags:  # read when the backend starts, i.e. later
+    os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_cpu_collective_timeout_seconds={settings.collective_timeout}".strip()
+  import jax  # pylint: disable=g-import-not-at-top
+
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator_address=settings.coordinator_address,
+      num_processes=settings.num_processes,
+      process_id=settings.process_id,
+      initialization_timeout=settings.init_timeout,
+      heartbeat_timeout_seconds=settings.heartbeat_timeout,
+      shutdown_timeout_seconds=max(5, settings.heartbeat_timeout),
+  )
+
+
+@functools.cache
+def process_hosts() -> list[str]:
+  """Hostname of every process, indexed by process index (a collective: every process must call it).
+
+  Cached: hosts don't change while a process lives, and the topology and meta.json both need them."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  if jax.process_count() == 1:
+    return [hostname()]
+  raw = np.zeros(256, np.uint8)
+  name = hostname().encode()[:256]
+  raw[:len(name)] = np.frombuffer(name, np.uint8)
+  everyone = np.asarray(multihost_utils.process_allgather(raw, tiled=False)).reshape(jax.process_count(), 256)
+  return [bytes(row).rstrip(b"\0").decode() for row in everyone]
+
+
+PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset", "heartbeat", "UNAVAILABLE",
+                        "DEADLINE_EXCEEDED", "Gloo", "gloo", "timed out", "coordination service")
+
+
+def is_peer_failure(message: str) -> bool:
+  """Whether a runtime error means another process of the job is gone (the job can't go on)."""
+  return any(m in message for m in PEER_FAILURE_MARKERS)

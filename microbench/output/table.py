@@ -1,0 +1,39 @@
+"""The sweep's console table, nccl-tests style: one row per point and the "Avg bus bandwidth" summary."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+_ROW = "{bytes:>12} {count:>11} {dtype:>8} {scope:>10} {group_size:>4} {num_groups:>4}  {time:>10} {algbw:>8} {busbw:>8} {wrong:>6}{flag}"
+HEADER = _ROW.format(bytes="size(B)", count="count", dtype="type", scope="scope", group_size="n",
+                     num_groups="grps", time="time(us)", algbw="algbw", busbw="busbw", wrong="#wrong", flag="")
+UNITS = _ROW.format(bytes="", count="(elements)", dtype="", scope="", group_size="", num_groups="",
+                    time="median", algbw="(GB/s)", busbw="(GB/s)", wrong="", flag="")
+
+
+def format_row(r: dict[str, Any]) -> str:
+  if r["status"] != "ok":
+    return (f"{r.get('bytes', r.get('requested_bytes', '')):>12} {r.get('count', ''):>11} {r['dtype']:>8} "
+            f"{r['scope']:>10} {r.get('group_size', ''):>4} {r.get('num_groups', ''):>4}  "
+            f"{r['status']}: {r.get('reason', '')}")
+  flag = ""
+  if r.get("straggler"):
+    flag = f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
+  wrong = "N/A" if r["wrong"] is None else r["wrong"]
+  return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=r["dtype"], scope=r["scope"],
+                     group_size=r["group_size"], num_groups=r["num_groups"], time=f"{r['time_us']:.2f}",
+                     algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}", wrong=wrong, flag=flag)
+
+
+def summary(records: list[dict[str, Any]]) -> str:
+  """nccl-tests' "Avg bus bandwidth", per collective and scope (and dtype), over the points that ran."""
+  acc: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+  for r in records:
+    if r["status"] == "ok":
+      acc[(r["collective"], r["scope"], r["dtype"])].append(r["busbw_gbps"])
+  lines = ["# Avg bus bandwidth (GB/s, mean over sizes)",
+           f"# {'collective':<16} {'scope':<11} {'dtype':<9} {'points':>6} {'avg busbw':>10} {'max busbw':>10}"]
+  for (c, s, d), vals in acc.items():
+    lines.append(f"# {c:<16} {s:<11} {d:<9} {len(vals):>6} {sum(vals) / len(vals):>10.3f} {max(vals):>10.3f}")
+  return "\n".join(lines)

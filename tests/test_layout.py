@@ -1,0 +1,138 @@
+"""The folder tree is the architecture: each package imports only from the layers below it, with no cycles.
+
+Layers, bottom to top: `meshes` (topologies, meshes, scopes, strategies as rules); `models` (Flax models,
+on meshes only); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
+hosts); `microbench.bench`, `.train` (the two measurements, independent of each other); `microbench.study`
+(built on both); `microbench.cli` (the commands) on top.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("meshes", "models", "microbench")
+
+LAYER = {
+    "meshes": 0,
+    "models": 1,
+    "microbench.hlo": 2, "microbench.output": 2, "microbench.cluster": 2,
+    "microbench.bench": 3, "microbench.train": 3,
+    "microbench.study": 4,
+    "microbench.cli": 5, "microbench": 5,  # microbench/__init__ and __main__ (python -m microbench)
+}
+
+
+def _unit(module: str) -> str:
+  """The layer unit a module belongs to: its longest prefix in LAYER."""
+  parts = module.split(".")
+  for i in range(len(parts), 0, -1):
+    name = ".".join(parts[:i])
+    if name in LAYER:
+      return name
+  raise AssertionError(f"{module} is in no layer; add its package to tests/test_layout.py's LAYER")
+
+
+def _modules() -> dict[str, str]:
+  out = {}
+  for pkg in PACKAGES:
+    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+      for f in files:
+        if f.endswith(".py"):
+          rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+          out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+  return out
+
+
+def _imports(path: str, module: str, known: set[str]) -> set[str]:
+  """Project modules imported anywhere in the file (also inside functions)."""
+  tree = ast.parse(open(path, encoding="utf-8").read())
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      # `from pkg import sub` imports pkg.sub (a module) or a name defined in pkg.
+      names = [f"{node.module}.{a.name}" for a in node.names]
+    else:
+      continue
+    for name in names:
+      if name.split(".")[0] in PACKAGES:
+        while name not in known and "." in name:  # `from pkg import function` -> pkg
+          name = name.rsplit(".", 1)[0]
+        if name in known and name != module:
+          found.add(name)
+  return found
+
+
+def _graph() -> dict[str, set[str]]:
+  mods = _modules()
+  return {m: _imports(p, m, set(mods)) for m, p in mods.items()}
+
+
+def test_every_module_is_in_a_layer():
+  for m in _modules():
+    _unit(m)
+
+
+def test_no_module_imports_from_a_layer_above_or_a_sibling_concern():
+  bad = []
+  for m, deps in _graph().items():
+    u = _unit(m)
+    for d in deps:
+      v = _unit(d)
+      if v != u and LAYER[v] >= LAYER[u] and not (u == "microbench" and v.startswith("microbench.cli")):
+        bad.append(f"{m} ({u}, layer {LAYER[u]}) imports {d} ({v}, layer {LAYER[v]})")
+  assert not bad, "\n".join(bad)
+
+
+def test_models_depend_only_on_meshes():
+  for m, deps in _graph().items():
+    if m.startswith("models"):
+      assert all(d.split(".")[0] in ("models", "meshes") for d in deps), (m, deps)
+
+
+def test_no_import_cycles():
+  graph = _graph()
+  state: dict[str, int] = {}
+  stack: list[str] = []
+
+  def visit(m: str) -> None:
+    state[m] = 1
+    stack.append(m)
+    for d in sorted(graph[m]):
+      if d.startswith(m + "."):  # a package importing its own submodules (re-exports) is not a cycle
+        continue
+      if state.get(d) == 1:
+        cycle = stack[stack.index(d):] + [d]
+        raise AssertionError("import cycle: " + " -> ".join(cycle))
+      if d not in state:
+        visit(d)
+    stack.pop()
+    state[m] = 2
+
+  for m in sorted(graph):
+    if m not in state:
+      visit(m)
+
+
+def test_checks_catch_a_planted_violation(tmp_path, monkeypatch):
+  """The layer check is proven by the bug it catches: a cluster module importing the CLI fails it."""
+  planted = os.path.join(ROOT, "microbench", "cluster", "_planted_violation.py")
+  with open(planted, "w", encoding="utf-8") as f:
+    f.write("from microbench.cli import runner  # planted by tests/test_layout.py\n")
+  try:
+    with pytest.raises(AssertionError, match="_planted_violation"):
+      test_no_module_imports_from_a_layer_above_or_a_sibling_concern()
+  finally:
+    os.remove(planted)
+
+
+def test_no_sys_path_hacks_outside_tests():
+  r = subprocess.run(["grep", "-rln", "sys.path.insert", "--include=*.py", "microbench", "meshes", "models",
+                      "scripts"], cwd=ROOT, capture_output=True, text=True, check=False)
+  assert r.stdout == "", r.stdout
