@@ -136,3 +136,23 @@ def test_no_sys_path_hacks_outside_tests():
   r = subprocess.run(["grep", "-rln", "sys.path.insert", "--include=*.py", "microbench", "meshes", "models",
                       "scripts"], cwd=ROOT, capture_output=True, text=True, check=False)
   assert r.stdout == "", r.stdout
+
+
+def test_console_scripts_start_from_the_install():
+  """Every console script in pyproject.toml resolves, and (where installed, as in CI) answers --help."""
+  import sys
+  import tomllib
+
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    scripts = tomllib.load(f)["project"]["scripts"]
+  assert set(scripts) == {"microbench", "microbench-train", "microbench-launch", "microbench-testbed"}
+  for name, target in scripts.items():
+    module, func = target.split(":")
+    # Each command defines its own flags, so each is imported in its own process.
+    code = f"import {module} as m; assert callable(m.{func})"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    exe = os.path.join(os.path.dirname(sys.executable), name)
+    if os.path.exists(exe):
+      r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120, check=False)
+      assert r.returncode in (0, 1) and "Traceback" not in r.stderr, (name, r.stderr[-500:])
+      assert "--" in r.stdout, name  # absl lists the command's own flags
