@@ -1,0 +1,245 @@
+"""Pipeline parallelism: a stack of layers split over the `stage` mesh axis, run by a schedule table.
+
+The layers' stacked parameters (leading dims `[V, L/V]`, the second sharded over `stage`) stay where
+they are; microbatches move. Inside a `shard_map` that is manual over `stage` only (data, fsdp, tensor
+and expert stay automatic, so the layers' own sharding rules still apply), one `lax.scan` step per tick
+of the schedule (`models.pipeline_schedule`) runs this device's forward and backward of the tick,
+each under a `lax.cond` (a device with nothing to do runs nothing), then moves activations one stage on
+and gradients one stage back with `ppermute`. The backward recomputes its chunk's forward from the
+stashed input (`jax.vjp`), so only stage inputs are kept between a microbatch's forward and backward.
+
+Forward and backward of the whole pipeline happen in one pass (1F1B interleaves them), so the loss and
+every gradient come out together; `pipeline_loss` is a `custom_vjp` whose backward only scales those
+gradients, which lets `jax.grad` of the model's loss see an ordinary differentiable function.
+
+The data-parallel axis `data` is manual too: each data shard accumulates its own gradients over the
+microbatches and they are averaged over `data` once, after the last microbatch (as Megatron does);
+left automatic, XLA would all-reduce every microbatch's gradients inside the loop. Inside, the layers
+see the sharding rules without `stage` and `data`.
+
+The last virtual stage runs the head (final norm, LM head, loss) on each microbatch as its forward
+finishes; the embedding stays outside (the input-activation gradient comes back out). The head's
+parameters and the input-activation gradient are replicated over `stage`, so both are summed over
+`stage` (an all-reduce) at the end of the step; Megatron keeps them on the first/last stage instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models import pipeline_schedule as ps
+from models.pipeline_schedule import Schedule
+
+AXIS = "stage"
+DATA = "data"
+MANUAL = (AXIS, DATA)
+
+# stage_fn(chunk_params, x_bTD) -> (y_bTD, aux_loss, stats): one chunk of layers on one microbatch. aux_loss
+# (float32 scalar) is added to the objective (MoE load balancing); stats (dict of float32 scalars) are
+# summed over microbatches and stages, never differentiated.
+StageFn = Callable[[Any, jax.Array], tuple[jax.Array, jax.Array, dict[str, jax.Array]]]
+# head_fn(head_params, y_bTD, targets_b) -> float32 scalar loss of one microbatch.
+HeadFn = Callable[[Any, jax.Array, Any], jax.Array]
+
+
+def to_microbatches(x: jax.Array, m: int) -> jax.Array:
+  """[B, ...] -> [M, B/M, ...], microbatch i taking examples i, i+M, ...: each microbatch then spans
+  every data-parallel shard of the batch (a contiguous split would put whole microbatches on one)."""
+  return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+
+
+def from_microbatches(x: jax.Array) -> jax.Array:
+  """Inverse of `to_microbatches`."""
+  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def transfer_pairs(stages: int, virtual: int, step: int) -> list[tuple[int, int]]:
+  """ppermute pairs moving data `step` (+1 forward, -1 backward) stages; circular when chunks wrap from
+  the last device to the first (interleaved)."""
+  if virtual > 1:
+    return [(i, (i + step) % stages) for i in range(stages)]
+  return [(i, i + step) for i in range(stages) if 0 <= i + step < stages]
+
+
+def _varying(x):
+  """Marks values as differing per stage and data shard (shard_map's type check needs loop carries and
+  both branches of a cond to agree)."""
+  def one(a):
+    missing = tuple(n for n in MANUAL if n not in jax.typeof(a).manual_axis_type.varying)
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+  return jax.tree.map(one, x)
+
+
+def _without(axes, drop):
+  """A rule's mesh axes without the manual ones."""
+  if axes is None:
+    return None
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in drop)
+  return kept or None
+
+
+def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_params, head_params, x_MbTD, targets_M):
+  """The schedule inside shard_map (manual over `stage` and `data`): (loss, stats, layer grads, head grads,
+  input grads), each already reduced over stages and data shards."""
+  s, v, m = sched.stages, sched.virtual, sched.microbatches
+  d = jax.lax.axis_index(AXIS)
+  # Every input typed as differing per stage and data shard before anything is differentiated: the
+  # transpose of a use of a replicated value is a psum, and a collective inside a branch that only some
+  # stages take deadlocks (and one per microbatch is the cost this function exists to avoid).
+  layer_params, head_params, x_MbTD, targets_M = _varying((layer_params, head_params, x_MbTD, targets_M))
+  f32 = jnp.float32
+  table = jnp.asarray(sched.table)
+  fwd_pairs, bwd_pairs = transfer_pairs(s, v, +1), transfer_pairs(s, v, -1)
+  stats_shape = jax.eval_shape(
+      lambda: stage_fn(jax.tree.map(lambda a: a[0], layer_params), _varying(x_MbTD[0]))[2])
+
+  def chunk(params, c):
+    return jax.tree.map(lambda a: a[c], params)
+
+  def stage_value(params, x):
+    y, aux, _ = stage_fn(params, x)
+    return _varying((y, aux.astype(f32)))
+
+  def tick(carry, rows):
+    stash_x, stash_g, g_layers, g_head, dx_M, loss, stats = carry
+    row = rows[d]
+    fc, fm, fs, fg = (jnp.maximum(row[i], 0) for i in (ps.F_CHUNK, ps.F_MB, ps.F_SLOT, ps.F_GSLOT))
+    bc, bm, bs, bg = (jnp.maximum(row[i], 0) for i in (ps.B_CHUNK, ps.B_MB, ps.B_SLOT, ps.B_GSLOT))
+    rx, rg = row[ps.RECV_X], row[ps.RECV_G]
+
+    def forward(args):
+      stash_g, g_head, loss, stats = args
+      x = jnp.where((d == 0) & (fc == 0), x_MbTD[fm], stash_x[fs])
+      y, aux, st = stage_fn(chunk(layer_params, fc), x)
+      stats = jax.tree.map(lambda a, b: a + b.astype(f32), stats, st)
+
+      def head(args):
+        stash_g, g_head, loss = args
+        loss_m, (gh, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, y, targets_M[fm])
+        g_head = jax.tree.map(jnp.add, g_head, gh)
+        return stash_g.at[fg].set(dy.astype(stash_g.dtype)), g_head, loss + loss_m.astype(f32)
+
+      stash_g, g_head, loss = jax.lax.cond((d == s - 1) & (fc == v - 1), head, _varying,
+                                           (stash_g, g_head, loss))
+      return y.astype(x_MbTD.dtype), stash_g, g_head, loss + aux.astype(f32), stats
+
+    def no_forward(args):
+      stash_g, g_head, loss, stats = args
+      return _varying(jnp.zeros_like(x_MbTD[0])), stash_g, g_head, loss, stats
+
+    send_x, stash_g, g_head, loss, stats = jax.lax.cond(row[ps.F_CHUNK] >= 0, forward, no_forward,
+                                                        (stash_g, g_head, loss, stats))
+
+    def backward(args):
+      g_layers, dx_M = args
+      x = jnp.where((d == 0) & (bc == 0), x_MbTD[bm], stash_x[bs])
+      _, vjp = jax.vjp(stage_value, chunk(layer_params, bc), x)
+      dp, dx = vjp((stash_g[bg], _varying(jnp.ones((), f32))))
+      g_layers = jax.tree.map(lambda g, a: g.at[bc].add(a.astype(f32)), g_layers, dp)
+      dx = dx.astype(x_MbTD.dtype)
+      dx_M = dx_M.at[bm].set(jnp.where((d == 0) & (bc == 0), dx, dx_M[bm]))
+      return dx, g_layers, dx_M
+
+    def no_backward(args):
+      g_layers, dx_M = args
+      return _varying(jnp.zeros_like(x_MbTD[0])), g_layers, dx_M
+
+    send_g, g_layers, dx_M = jax.lax.cond(row[ps.B_CHUNK] >= 0, backward, no_backward, (g_layers, dx_M))
+
+    if s > 1:
+      recv_x = jax.lax.ppermute(send_x, AXIS, fwd_pairs)
+      recv_g = jax.lax.ppermute(send_g, AXIS, bwd_pairs)
+    else:  # one device: chunk c hands over to chunk c+1 on itself
+      recv_x, recv_g = send_x, send_g
+    rxc, rgc = jnp.maximum(rx, 0), jnp.maximum(rg, 0)
+    stash_x = stash_x.at[rxc].set(jnp.where(rx >= 0, recv_x, stash_x[rxc]))
+    stash_g = stash_g.at[rgc].set(jnp.where(rg >= 0, recv_g, stash_g[rgc]))
+    return (stash_x, stash_g, g_layers, g_head, dx_M, loss, stats), None
+
+  zeros = lambda tree, dtype=None: _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree))
+  carry = (
+      zeros(jax.ShapeDtypeStruct((sched.x_slots, *x_MbTD.shape[1:]), x_MbTD.dtype)),
+      zeros(jax.ShapeDtypeStruct((sched.g_slots, *x_MbTD.shape[1:]), x_MbTD.dtype)),
+      zeros(layer_params, f32),
+      zeros(head_params, f32),
+      zeros(x_MbTD),
+      zeros(jax.ShapeDtypeStruct((), f32)),
+      zeros(stats_shape, f32),
+  )
+  carry, _ = jax.lax.scan(tick, carry, table)
+  _, _, g_layers, g_head, dx_M, loss, stats = carry
+  n_data = jax.lax.axis_size(DATA)
+  stage_sum = lambda t: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), t)
+  data_mean = lambda t: jax.tree.map(lambda a: jax.lax.pmean(a, DATA), t)
+  scale = 1.0 / m
+  g_layers = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), data_mean(g_layers), layer_params)
+  g_head = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), data_mean(stage_sum(g_head)), head_params)
+  stats = jax.tree.map(lambda a: jax.lax.psum(a, DATA), stage_sum(stats))
+  dx_M = (stage_sum(dx_M) * (scale / n_data)).astype(dx_M.dtype)  # stays split over data
+  return data_mean(stage_sum(loss)) * scale, stats, g_layers, g_head, dx_M
+
+
+def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_params: Any, head_params: Any,
+                  x_MbTD: jax.Array, targets_M: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean over microbatches of head loss + stage aux losses, and the summed stats; differentiable in
+  `layer_params` (leaves `[V, L/V, ...]`, dim 1 over `stage`), `head_params` and `x_MbTD` (the
+  microbatched stage-0 input; `targets_M` leaves are microbatched too). Runs under the mesh set with
+  `jax.set_mesh` and, when the layers pin shardings, flax's logical-axis rules."""
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+
+  rules = spmd.get_logical_axis_rules()
+  inner_rules = tuple((name, _without(axes, MANUAL)) for name, axes in rules)
+  lp_spec = jax.tree.map(lambda _: jax.P(None, AXIS), layer_params)
+  rep = lambda t: jax.tree.map(lambda _: jax.P(), t)
+  micro = lambda t: jax.tree.map(lambda _: jax.P(None, DATA), t)
+  stats = jax.eval_shape(lambda: stage_fn(jax.tree.map(lambda a: a[0], layer_params), x_MbTD[0])[2])
+
+  def body(lp, hp, x, t):
+    with spmd.logical_axis_rules(inner_rules):
+      return _run(stage_fn, head_fn, sched, lp, hp, x, t)
+
+  run = jax.shard_map(body, in_specs=(lp_spec, rep(head_params), micro(x_MbTD), micro(targets_M)),
+                      out_specs=(jax.P(), rep(stats), lp_spec, rep(head_params), micro(x_MbTD)),
+                      axis_names=set(MANUAL))
+
+  @jax.custom_vjp
+  def loss_fn(lp, hp, x, t):
+    loss, stats, *_ = run(lp, hp, x, t)
+    return loss, stats
+
+  def fwd(lp, hp, x, t):
+    loss, stats, gl, gh, dx = run(lp, hp, x, t)
+    return (loss, stats), (gl, gh, dx)
+
+  def bwd(res, cts):
+    gl, gh, dx = res
+    ct = cts[0]
+    scale = lambda tree: jax.tree.map(lambda g: (g * ct).astype(g.dtype), tree)
+    return scale(gl), scale(gh), scale(dx), None
+
+  loss_fn.defvjp(fwd, bwd)
+  return loss_fn(layer_params, head_params, x_MbTD, targets_M)
+
+
+def stack_chunks(tree: Any, virtual: int) -> Any:
+  """[L, ...] leaves -> [V, L/V, ...]: chunk c of device d is virtual stage c*S+d when dim 1 is split
+  over S stages (for V=1 this only adds the leading dim)."""
+  return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), tree)
+
+
+def unstack_chunks(tree: Any) -> Any:
+  return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+def check_layers(num_layers: int, stages: int, virtual: int = 1) -> None:
+  """Refuses a layer count the stages can't split evenly, with one line."""
+  if num_layers % (stages * virtual):
+    what = f"pp:{stages}" + (f" x {virtual} virtual stages" if virtual > 1 else "")
+    raise ps.ScheduleError(f"{what} does not divide the model's {num_layers} layers; choose --layers a multiple"
+                           f" of {stages * virtual} (uneven splits are refused: every stage must take the same"
+                           " time, or the slowest sets the pace)")
+
