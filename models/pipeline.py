@@ -12,10 +12,14 @@ Forward and backward of the whole pipeline happen in one pass (1F1B interleaves 
 every gradient come out together; `pipeline_loss` is a `custom_vjp` whose backward only scales those
 gradients, which lets `jax.grad` of the model's loss see an ordinary differentiable function.
 
-The data-parallel axis `data` is manual too: each data shard accumulates its own gradients over the
-microbatches and they are averaged over `data` once, after the last microbatch (as Megatron does);
-left automatic, XLA would all-reduce every microbatch's gradients inside the loop. Inside, the layers
-see the sharding rules without `stage` and `data`.
+Every mesh axis that splits the batch (`data`, `fsdp`, `expert`) is manual too: each batch shard
+accumulates its own gradients over the microbatches and they are reduced once, after the last
+microbatch (as Megatron does); left automatic, XLA would all-reduce every microbatch's gradients inside
+the loop. Weights enter whole except along `stage` and `expert` (each device runs its own layers and
+experts), so FSDP gathers a stage's weights once per step at the boundary and reduce-scatters their
+gradients once at the end (MaxText's pipeline option `pipeline_fsdp_ag_once`), not per microbatch.
+Inside, the layers see the sharding rules without the manual axes (tensor parallelism stays automatic);
+an MoE layer finds its batch axes already manual and exchanges tokens over `expert` directly.
 
 The last virtual stage runs the head (final norm, LM head, loss) on each microbatch as its forward
 finishes; the embedding stays outside (the input-activation gradient comes back out). The head's
@@ -31,12 +35,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from meshes import parallelism as par
 from models import pipeline_schedule as ps
 from models.pipeline_schedule import Schedule
 
 AXIS = "stage"
-DATA = "data"
-MANUAL = (AXIS, DATA)
+# Weight dims that stay split inside the stages (the layer code runs on its local slice of these).
+LOCAL_WEIGHT_AXES = (AXIS, "expert")
 
 # stage_fn(chunk_params, x_bTD) -> (y_bTD, aux_loss, stats): one chunk of layers on one microbatch. aux_loss
 # (float32 scalar) is added to the objective (MoE load balancing); stats (dict of float32 scalars) are
@@ -65,13 +70,38 @@ def transfer_pairs(stages: int, virtual: int, step: int) -> list[tuple[int, int]
   return [(i, i + step) for i in range(stages) if 0 <= i + step < stages]
 
 
+def batch_axes() -> tuple[str, ...]:
+  """The mesh axes that split `batch` (from the project's rules), present in the current mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = dict(par.RULES)["batch"] or ()
+  return tuple(a for a in axes if a in mesh.axis_names)
+
+
+def _manual() -> tuple[str, ...]:
+  return (AXIS, *batch_axes())
+
+
 def _varying(x):
-  """Marks values as differing per stage and data shard (shard_map's type check needs loop carries and
+  """Marks values as differing per stage and batch shard (shard_map's type check needs loop carries and
   both branches of a cond to agree)."""
+  manual = _manual()
+
   def one(a):
-    missing = tuple(n for n in MANUAL if n not in jax.typeof(a).manual_axis_type.varying)
+    missing = tuple(n for n in manual if n not in jax.typeof(a).manual_axis_type.varying)
     return jax.lax.pcast(a, missing, to="varying") if missing else a
   return jax.tree.map(one, x)
+
+
+def _spec_axes(spec: jax.P) -> set[str]:
+  return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
+
+
+def _keep(axes, keep):
+  """A spec entry with only the given mesh axes."""
+  if axes is None:
+    return None
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in keep)
+  return kept or None
 
 
 def _without(axes, drop):
@@ -82,9 +112,10 @@ def _without(axes, drop):
   return kept or None
 
 
-def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_params, head_params, x_MbTD, targets_M):
-  """The schedule inside shard_map (manual over `stage` and `data`): (loss, stats, layer grads, head grads,
-  input grads), each already reduced over stages and data shards."""
+def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_params, head_params, x_MbTD,
+         targets_M):
+  """The schedule inside shard_map (manual over `stage` and the batch axes): (loss, stats, layer grads,
+  head grads, input grads), each already reduced over stages and batch shards."""
   s, v, m = sched.stages, sched.virtual, sched.microbatches
   d = jax.lax.axis_index(AXIS)
   # Every input typed as differing per stage and data shard before anything is differentiated: the
@@ -172,39 +203,62 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_params, head
   )
   carry, _ = jax.lax.scan(tick, carry, table)
   _, _, g_layers, g_head, dx_M, loss, stats = carry
-  n_data = jax.lax.axis_size(DATA)
-  stage_sum = lambda t: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), t)
-  data_mean = lambda t: jax.tree.map(lambda a: jax.lax.pmean(a, DATA), t)
+  # The objective is the mean over batch shards of each shard's loss. A gradient is summed over the
+  # batch shards that share its parameter (not over `expert` for a local expert's weights: the
+  # all-to-all's transpose already brought every shard's share to it) and divided by the shard count.
+  bax = batch_axes()
+  shards = 1
+  for a in bax:
+    shards *= jax.lax.axis_size(a)
   scale = 1.0 / m
-  g_layers = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), data_mean(g_layers), layer_params)
-  g_head = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), data_mean(stage_sum(g_head)), head_params)
-  stats = jax.tree.map(lambda a: jax.lax.psum(a, DATA), stage_sum(stats))
-  dx_M = (stage_sum(dx_M) * (scale / n_data)).astype(dx_M.dtype)  # stays split over data
-  return data_mean(stage_sum(loss)) * scale, stats, g_layers, g_head, dx_M
+
+  def reduce_grad(g, p, spec):
+    over = tuple(a for a in bax if a not in _spec_axes(spec))
+    g = jax.lax.psum(g, over) if over else g
+    return (g * (scale / shards)).astype(p.dtype)
+
+  stage_sum = lambda t: jax.tree.map(lambda a: jax.lax.psum(a, AXIS), t)
+  g_layers = jax.tree.map(reduce_grad, g_layers, layer_params, lp_specs)
+  g_head = jax.tree.map(lambda g, p: reduce_grad(g, p, jax.P()), stage_sum(g_head), head_params)
+  stats = jax.tree.map(lambda a: jax.lax.pmean(a, bax), stage_sum(stats))
+  dx_M = (stage_sum(dx_M) * (scale / shards)).astype(dx_M.dtype)  # stays split over the batch shards
+  return jax.lax.pmean(stage_sum(loss), bax) * scale, stats, g_layers, g_head, dx_M
 
 
 def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_params: Any, head_params: Any,
-                  x_MbTD: jax.Array, targets_M: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Mean over microbatches of head loss + stage aux losses, and the summed stats; differentiable in
+                  x_MbTD: jax.Array, targets_M: Any, layer_specs: Any = None
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Mean over microbatches of head loss + stage aux losses, and the stats; differentiable in
   `layer_params` (leaves `[V, L/V, ...]`, dim 1 over `stage`), `head_params` and `x_MbTD` (the
-  microbatched stage-0 input; `targets_M` leaves are microbatched too). Runs under the mesh set with
-  `jax.set_mesh` and, when the layers pin shardings, flax's logical-axis rules."""
+  microbatched stage-0 input, `[M, B/M, ...]`; `targets_M` leaves are microbatched too).
+
+  `layer_specs` (PartitionSpecs of the leaves as laid out, default `P(None, "stage")`) says which weight
+  dims stay split inside: only `stage` and `expert` are kept. Stats are per-microbatch totals over the
+  batch (the same on every batch shard), summed over microbatches and stages. Runs under the mesh set
+  with `jax.set_mesh` and, when the layers pin shardings, flax's logical-axis rules.
+  """
   from flax.core import spmd  # pylint: disable=g-import-not-at-top
 
+  manual = _manual()
+  bax = batch_axes()
   rules = spmd.get_logical_axis_rules()
-  inner_rules = tuple((name, _without(axes, MANUAL)) for name, axes in rules)
-  lp_spec = jax.tree.map(lambda _: jax.P(None, AXIS), layer_params)
+  inner_rules = tuple((name, _without(axes, manual)) for name, axes in rules)
+  if layer_specs is None:
+    layer_specs = jax.tree.map(lambda _: jax.P(None, AXIS), layer_params)
+  lp_specs = jax.tree.map(
+      lambda spec: jax.P(*(_keep(e, LOCAL_WEIGHT_AXES) for e in spec)),
+      layer_specs, is_leaf=lambda x: isinstance(x, jax.P))
   rep = lambda t: jax.tree.map(lambda _: jax.P(), t)
-  micro = lambda t: jax.tree.map(lambda _: jax.P(None, DATA), t)
+  micro = lambda t: jax.tree.map(lambda _: jax.P(None, bax), t)
   stats = jax.eval_shape(lambda: stage_fn(jax.tree.map(lambda a: a[0], layer_params), x_MbTD[0])[2])
 
   def body(lp, hp, x, t):
     with spmd.logical_axis_rules(inner_rules):
-      return _run(stage_fn, head_fn, sched, lp, hp, x, t)
+      return _run(stage_fn, head_fn, sched, lp_specs, lp, hp, x, t)
 
-  run = jax.shard_map(body, in_specs=(lp_spec, rep(head_params), micro(x_MbTD), micro(targets_M)),
-                      out_specs=(jax.P(), rep(stats), lp_spec, rep(head_params), micro(x_MbTD)),
-                      axis_names=set(MANUAL))
+  run = jax.shard_map(body, in_specs=(lp_specs, rep(head_params), micro(x_MbTD), micro(targets_M)),
+                      out_specs=(jax.P(), rep(stats), lp_specs, rep(head_params), micro(x_MbTD)),
+                      axis_names=set(manual))
 
   @jax.custom_vjp
   def loss_fn(lp, hp, x, t):

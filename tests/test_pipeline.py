@@ -239,18 +239,18 @@ def test_planted_transfer_off_by_one_fails_the_check(reference, monkeypatch):
 
 def test_stage_transfers_in_the_compiled_program():
   """Inside the tick loop: exactly one activation forward and one gradient back (collective-permutes of a
-  microbatch's b*T*D floats between neighbouring stages) and nothing else; the data-parallel gradient
-  all-reduce happens once, after the loop."""
+  microbatch's b*T*D floats between neighbouring stages) and nothing else; data-parallel gradients are
+  reduced, and FSDP weights gathered, once per step outside the loop."""
   from microbench.hlo import parse as hlo  # pylint: disable=g-import-not-at-top
 
-  sched = ps.make_schedule("1f1b", 4, 4)
-  text = _pipelined(4, {"stage": 4, "data": 2}, sched, lower_only=True).as_text()
+  sched = ps.make_schedule("1f1b", 2, 2)
+  text = _pipelined(4, {"stage": 2, "data": 2, "fsdp": 2}, sched, lower_only=True).as_text()
   fp = comm_fingerprint.comm_fingerprint(text, 8)
-  micro = BATCH // 4 // 2 * SEQ * CFG.d_model * 4  # per device: microbatch / data shards, float32
+  micro = BATCH // 2 // 4 * SEQ * CFG.d_model * 4  # per device: microbatch / 4 batch shards, float32
   assert fp["collective-permute"] == {"count": 2, "bytes": 2 * micro}
   in_loop = [c for c in hlo.find_collectives(text) if "/while/body/" in c.text]
   assert sorted(c.op for c in in_loop) == ["collective-permute"] * 2
-  # mesh (stage=4, data=2): device = 2*stage + data; each data shard has its own chain of stages.
-  forward = {(0, 2), (2, 4), (4, 6), (1, 3), (3, 5), (5, 7)}
+  # mesh (stage=2, data=2, fsdp=2): device = 4*stage + 2*data + fsdp; each batch shard has its own chain.
+  forward = {(0, 4), (1, 5), (2, 6), (3, 7)}
   assert sorted(set(c.groups) for c in in_loop) == sorted([forward, {(b, a) for a, b in forward}])
-  assert fp["all-reduce"]["count"] >= 1  # after the loop: data-parallel gradients, stage sums
+  assert fp["all-gather"]["count"] >= 1 and fp["all-reduce"]["count"] >= 1  # FSDP gathers, gradient sums

@@ -1,0 +1,174 @@
+"""Mixture-of-experts MLP (Mixtral-style: top-k router, SwiGLU experts) with expert parallelism.
+
+Tokens are routed in groups: each shard of the batch (over every mesh axis that splits `batch`) routes
+its own tokens, as GShard does, so no token crosses a data-parallel boundary to be routed. Each group
+fills a `[E, C, D]` dispatch buffer (expert, slot, model dim) with capacity `C = ceil(cf * G * k / E)`
+slots per expert; assignments past capacity are dropped (counted) and contribute nothing. First choices
+take slots before second choices (Switch/GShard priority). With experts sharded over the `expert` axis,
+the buffer goes to the experts' owners with one all-to-all and comes back with another; the expert
+matmuls run on every source's tokens at once.
+
+The auxiliary losses are computed over the whole batch (sums reduced over the group axes), so they do
+not depend on how the batch is split: Switch's load-balancing loss `E * sum_e f_e * P_e` (f_e: share
+of assignments routed to e, P_e: mean router probability of e) and ST-MoE's router z-loss
+`mean(logsumexp(logits)^2)`.
+
+Dispatch: `all_to_all` (capacity-padded buffers, every platform). XLA's `ragged-all-to-all` (no padding)
+exists on GPU only; `dispatch_for` names the one a platform runs, and the choice is recorded with the
+results (this module implements the padded form; see BUILD_NOTES).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshes import parallelism as par
+from models.layers import param
+
+EXPERT = "expert"
+STATS = ("moe_dropped", "moe_assignments", "moe_load_balance", "moe_z_loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  num_experts: int
+  top_k: int = 2
+  capacity_factor: float = 1.25  # <= 0: capacity = group size, so nothing is ever dropped
+  aux_loss_coef: float = 0.01  # load balancing (Switch)
+  z_loss_coef: float = 0.001  # router z-loss (ST-MoE)
+
+
+def capacity(group_tokens: int, cfg: MoeConfig) -> int:
+  """Slots per expert for a group of tokens."""
+  if cfg.capacity_factor <= 0:
+    return group_tokens
+  return max(1, math.ceil(cfg.capacity_factor * group_tokens * cfg.top_k / cfg.num_experts))
+
+
+def dispatch_for(platform: str) -> str:
+  """The token exchange a platform runs: the padded all-to-all everywhere for now (XLA:CPU has no
+  ragged-all-to-all; the ragged form on GPU is a known limit in BUILD_NOTES)."""
+  del platform
+  return "all_to_all"
+
+
+def exchange(buf_ECD: jax.Array, axis: str | None) -> jax.Array:
+  """Sends block e of the expert dim to the owner of expert e; returns, per source, its tokens for
+  this device's experts, sources outermost (`[ep * E_local, C, D]`). Its own inverse."""
+  if axis is None:
+    return buf_ECD
+  return jax.lax.all_to_all(buf_ECD, axis, 0, 0, tiled=True)
+
+
+def experts_ffn(x_ECD: jax.Array, w_up: jax.Array, w_gate: jax.Array, w_down: jax.Array) -> jax.Array:
+  """SwiGLU of each local expert on its slots: [E_l, N, D] -> [E_l, N, D]."""
+  dt = x_ECD.dtype
+  h = jnp.einsum("end,edf->enf", x_ECD, w_up.astype(dt))
+  g = jnp.einsum("end,edf->enf", x_ECD, w_gate.astype(dt))
+  return jnp.einsum("enf,efd->end", jax.nn.silu(g) * h, w_down.astype(dt))
+
+
+def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axis: str | None,
+                   sum_axes: tuple[str, ...]):
+  """One group: route, dispatch, run the experts, combine. Returns (y_GD, aux_loss, stats)."""
+  f32 = jnp.float32
+  g, d = x_GD.shape
+  e, k = cfg.num_experts, cfg.top_k
+  c = capacity(g, cfg)
+  total = (lambda a: jax.lax.psum(a, sum_axes)) if sum_axes else (lambda a: a)
+
+  logits_GE = x_GD.astype(f32) @ router_DE.astype(f32)
+  probs_GE = jax.nn.softmax(logits_GE, axis=-1)
+  top_v_Gk, top_i_Gk = jax.lax.top_k(logits_GE, k)
+  weights_Gk = jax.nn.softmax(top_v_Gk, axis=-1)  # Mixtral: renormalised over the chosen experts
+
+  # Slot of each assignment in its expert's buffer, first choices first.
+  idx_kG = top_i_Gk.T
+  onehot_kGE = jax.nn.one_hot(idx_kG, e, dtype=jnp.int32)
+  pos_kGE = jnp.cumsum(onehot_kGE.reshape(k * g, e), axis=0).reshape(k, g, e) - 1
+  pos_kG = jnp.sum(pos_kGE * onehot_kGE, axis=-1)
+  keep_kG = pos_kG < c
+  slot_kG = jnp.where(keep_kG, pos_kG, c)  # c is out of bounds: the scatter drops it
+
+  x_kGD = jnp.broadcast_to(x_GD[None], (k, g, d))
+  buf_ECD = jnp.zeros((e, c, d), x_GD.dtype).at[idx_kG, slot_kG].set(x_kGD, mode="drop")
+  ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
+  el = e // ep
+  buf = exchange(buf_ECD, ep_axis)  # [ep * E_l, C, D], sources outermost
+  buf = buf.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
+  out = experts_ffn(buf, w_up, w_gate, w_down)
+  out = out.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
+  out_ECD = exchange(out, ep_axis)
+
+  y_kGD = out_ECD[idx_kG, jnp.minimum(slot_kG, c - 1)]
+  y_GD = jnp.sum(y_kGD * (weights_Gk.T * keep_kG)[..., None].astype(y_kGD.dtype), axis=0)
+
+  tokens = total(jnp.asarray(g, f32))
+  share_E = total(jnp.sum(onehot_kGE, axis=(0, 1)).astype(f32)) / (tokens * k)
+  prob_E = total(jnp.sum(probs_GE, axis=0)) / tokens
+  load_balance = e * jnp.sum(share_E * prob_E)
+  z_loss = total(jnp.sum(jax.nn.logsumexp(logits_GE, axis=-1) ** 2)) / tokens
+  aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
+  stats = {"moe_dropped": total(jnp.sum(~keep_kG).astype(f32)), "moe_assignments": tokens * k,
+           "moe_load_balance": load_balance, "moe_z_loss": z_loss}
+  return y_GD, aux, stats
+
+
+def group_axes() -> tuple[str, ...]:
+  """Mesh axes of size > 1 that split `batch` (the project's rules): tokens are routed per shard."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  axes = dict(par.RULES)["batch"] or ()
+  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig):
+  """[B, T, D] -> ([B, T, D], aux_loss, stats): routed per batch shard, experts over `expert`.
+
+  Where the batch axes are already manual (inside a pipeline stage), the local tokens and local experts
+  are used directly; otherwise a shard_map over them makes them so.
+  """
+  b, t, d = x_BTD.shape
+  axes = group_axes()
+  mesh = jax.sharding.get_abstract_mesh()
+  ep_axis = EXPERT if EXPERT in axes else None
+  if ep_axis and cfg.num_experts % mesh.shape[EXPERT]:
+    raise ValueError(f"ep:{mesh.shape[EXPERT]} does not divide the {cfg.num_experts} experts")
+
+  def group(x, r, wu, wg, wd):
+    bl = x.shape[0]
+    y, aux, stats = _route_and_run(x.reshape(bl * t, d), r, wu, wg, wd, cfg, ep_axis, axes)
+    return y.reshape(bl, t, d), aux, stats
+
+  auto = tuple(a for a in axes if a not in mesh.manual_axes)
+  if not auto:
+    return group(x_BTD, router_DE, w_up, w_gate, w_down)
+  if len(auto) != len(axes):
+    raise NotImplementedError(f"MoE with batch axes {axes} partly manual ({set(axes) - set(auto)}): make all"
+                              " or none of them manual around it")
+  wspec = jax.P(ep_axis)
+  stats_tree = {k: jax.P() for k in STATS}
+  return jax.shard_map(group, in_specs=(jax.P(axes), jax.P(), wspec, wspec, wspec),
+                       out_specs=(jax.P(axes), jax.P(), stats_tree), axis_names=set(axes))(
+                           x_BTD, router_DE, w_up, w_gate, w_down)
+
+
+class MoeMlp(nnx.Module):
+  """Router [D, E] (float32 routing) and E SwiGLU experts, `experts` split over the `expert` axis."""
+
+  def __init__(self, d_model: int, d_ff: int, cfg: MoeConfig, rngs: nnx.Rngs, out_std: float):
+    e = cfg.num_experts
+    self.cfg = cfg
+    self.router = param(rngs, (d_model, e), ("embed", None))
+    self.w_up = param(rngs, (e, d_model, d_ff), ("experts", "embed", "mlp"))
+    self.w_gate = param(rngs, (e, d_model, d_ff), ("experts", "embed", "mlp"))
+    self.w_down = param(rngs, (e, d_ff, d_model), ("experts", "mlp", "embed"), jax.nn.initializers.normal(out_std))
+
+  def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    return moe_ffn(x_BTD, self.router[...], self.w_up[...], self.w_gate[...], self.w_down[...], self.cfg)

@@ -1,0 +1,207 @@
+"""Mixture of experts: Mixtral shapes, routing and capacity, and gradients under expert parallelism
+(alone and with dp, fsdp, tp and pp) equal to the same model on one device, with planted bugs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+
+from meshes import parallelism as par  # noqa: E402
+from microbench.train import comm_fingerprint  # noqa: E402
+from models import mixtral, moe, pipeline, pipeline_schedule as ps  # noqa: E402
+from models.train_step import state_shardings  # noqa: E402
+
+FAST = {"xla_backend_optimization_level": 0}
+BATCH, SEQ = 8, 8
+# No capacity drops: routing is then the same however the batch is split (the issue's condition).
+CFG = dataclasses.replace(mixtral.SIZES["tiny"],
+                          moe=dataclasses.replace(mixtral.SIZES["tiny"].moe, capacity_factor=0.0))
+
+
+def _mesh(axes: dict[str, int]) -> jax.sharding.Mesh:
+  sizes = {a: axes.get(a, 1) for a in par.MESH_AXES}
+  n = int(np.prod(list(sizes.values())))
+  grid = np.array(jax.devices()[:n], dtype=object).reshape(tuple(sizes.values()))
+  return jax.sharding.Mesh(grid, par.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+
+
+def _data():
+  k1, k2 = jax.random.split(jax.random.key(7))
+  return (jax.random.randint(k1, (BATCH, SEQ), 0, CFG.vocab_size),
+          jax.random.randint(k2, (BATCH, SEQ), 0, CFG.vocab_size))
+
+
+def _model(cfg=CFG):
+  with nnx.use_eager_sharding(False):
+    return nnx.split(mixtral.Mixtral(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), nnx.Param)
+
+
+def _loss(graphdef, params, tokens, targets):
+  logits, aux = nnx.merge(graphdef, params)(tokens)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  return ce + aux["aux_loss"], aux
+
+
+def _grads(axes: dict[str, int] | None, cfg=CFG, lower_only: bool = False):
+  graphdef, params = _model(cfg)
+  tokens, targets = _data()
+  fn = jax.value_and_grad(lambda p, x, y: _loss(graphdef, p, x, y), has_aux=True)
+  if axes is None:
+    return jax.jit(fn)(params, tokens, targets)
+  mesh = _mesh(axes)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(par.RULES):
+    params = jax.device_put(params, state_shardings(params, mesh))
+    batch = NamedSharding(mesh, par.spec_for(("batch", None)))
+    tokens, targets = jax.device_put(tokens, batch), jax.device_put(targets, batch)
+    compiled = jax.jit(fn).lower(params, tokens, targets).compile(FAST)
+    if lower_only:
+      return compiled
+    return compiled(params, tokens, targets)
+
+
+def _assert_same(got, want):
+  (value, aux), grads = got
+  (ref_value, ref_aux), ref_grads = want
+  np.testing.assert_allclose(value, ref_value, rtol=2e-6)
+  for key in ("aux_loss", "moe_dropped", "moe_load_balance", "moe_z_loss"):
+    np.testing.assert_allclose(aux[key], ref_aux[key], rtol=2e-6, err_msg=key)
+  ref = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    r = np.asarray(ref[path])
+    np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()),
+                               err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return _grads(None)
+
+
+def test_mixtral_8x7b_parameter_count():
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: mixtral.Mixtral(mixtral.SIZES["8x7b"], dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == 46_702_792_704
+
+
+def test_capacity():
+  cfg = moe.MoeConfig(num_experts=8, top_k=2, capacity_factor=1.25)
+  assert moe.capacity(64, cfg) == 20  # ceil(1.25 * 64 * 2 / 8)
+  assert moe.capacity(64, dataclasses.replace(cfg, capacity_factor=0)) == 64  # dropless
+
+
+def test_overflowing_tokens_are_dropped_and_counted():
+  """Every token prefers experts 0 then 1: each keeps C of its G assignments, the rest are dropped and
+  their outputs are zero."""
+  g, d, e = 16, 4, 4
+  cfg = moe.MoeConfig(num_experts=e, top_k=2, capacity_factor=1.0)  # C = ceil(16 * 2 / 4) = 8
+  x = jnp.abs(jax.random.normal(jax.random.key(0), (1, g, d))) + 0.1
+  router = jnp.zeros((d, e)).at[:, 0].set(2.0).at[:, 1].set(1.0)
+  ones = jnp.ones((e, d, d))
+  y, _, stats = moe.moe_ffn(x, router, ones, ones, ones * 0.1, cfg)
+  assert float(stats["moe_dropped"]) == 2 * (g - 8) and float(stats["moe_assignments"]) == 2 * g
+  assert np.all(np.abs(np.asarray(y[0, :8])) > 0) and np.all(np.asarray(y[0, 8:]) == 0)  # first come first served
+
+
+@pytest.mark.parametrize("axes", [
+    {"expert": 8},
+    {"data": 2, "expert": 4},
+    {"fsdp": 2, "expert": 2, "tensor": 2},
+])
+def test_expert_parallel_gradients_match_one_device(reference, axes):
+  _assert_same(_grads(axes), reference)
+
+
+def test_planted_misrouting_fails_the_check(reference, monkeypatch):
+  monkeypatch.setattr(moe, "exchange", lambda buf, axis: buf)  # tokens never reach their experts' owner
+  with pytest.raises(AssertionError):
+    _assert_same(_grads({"expert": 4}), reference)
+
+
+def test_planted_dropped_expert_fails_the_check(reference, monkeypatch):
+  good = moe.experts_ffn
+  monkeypatch.setattr(moe, "experts_ffn", lambda x, *w: good(x, *w).at[0].set(0))  # first local expert silent
+  with pytest.raises(AssertionError):
+    _assert_same(_grads({"expert": 8}), reference)
+
+
+def test_all_to_all_dispatch_in_the_compiled_program():
+  """Two all-to-alls per MoE layer forward (dispatch and combine) and two in the backward, each moving
+  the capacity-padded [E, C, D] buffer of the local tokens."""
+  text = _grads({"expert": 8}, lower_only=True).as_text()
+  fp = comm_fingerprint.comm_fingerprint(text, 8)
+  g = BATCH // 8 * SEQ
+  buf = CFG.moe.num_experts * moe.capacity(g, CFG.moe) * CFG.block.d_model * 4
+  a2a = fp["all-to-all"]
+  # The layers run under a scan: the loop body holds one layer's four (how often a loop body counts is
+  # the fingerprint's convention); each moves exactly one buffer.
+  assert a2a["count"] in (4, 4 * CFG.num_layers) and a2a["bytes"] == a2a["count"] * buf
+  assert moe.dispatch_for("cpu") == "all_to_all"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Expert parallelism inside pipeline stages (the study's DP+PP+EP shape, scaled down).
+
+
+def test_pipeline_with_expert_parallel_stages_matches_one_device():
+  graphdef, params = _model()
+  tokens, targets = _data()
+  m, s = 2, 2
+  whole = nnx.merge(graphdef, params)
+  block_def, norm_def = nnx.split(whole.blocks)[0], nnx.split(whole.norm)[0]
+
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  values = lambda st: jax.tree.map(lambda v: v[...], st, is_leaf=is_var)
+
+  def parts(p):
+    model = nnx.merge(graphdef, p)
+    return model, values(nnx.split(model.blocks)[1]), {"norm": values(nnx.split(model.norm)[1]),
+                                                        "head": model.head[...]}
+
+  def stage_fn(lp, x):
+    return mixtral.run_blocks(block_def, lp, x)
+
+  def head_fn(h, y, t):
+    logits = mixtral.project(nnx.merge(norm_def, h["norm"])(y), h["head"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+
+  def reference(p):
+    model, stacked, head = parts(p)
+    xs = pipeline.to_microbatches(model.embed_tokens(tokens), m)
+    ts = pipeline.to_microbatches(targets, m)
+    total = 0.0
+    for i in range(m):  # aux losses per microbatch, as the pipeline computes them
+      y, aux, _ = stage_fn(stacked, xs[i])
+      total = total + head_fn(head, y, ts[i]) + aux
+    return total / m
+
+  def pipelined(p, sched):
+    model, stacked, head = parts(p)
+    xs = pipeline.to_microbatches(model.embed_tokens(tokens), m)
+    # The experts stay split over `expert` inside the stages: their specs say so.
+    specs = jax.tree.map(lambda v: jax.P(None, *par.spec_for(v.get_metadata()["out_sharding"])),
+                         nnx.split(whole.blocks)[1], is_leaf=is_var)
+    return pipeline.pipeline_loss(stage_fn, head_fn, sched, pipeline.stack_chunks(stacked, 1), head, xs,
+                                  pipeline.to_microbatches(targets, m), layer_specs=specs)[0]
+
+  want = jax.jit(jax.value_and_grad(reference))(params)
+  mesh = _mesh({"stage": s, "expert": 4})
+  sched = ps.make_schedule("1f1b", s, m)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(par.RULES):
+    sharded = jax.device_put(params, state_shardings(params, mesh))
+    got = jax.jit(jax.value_and_grad(lambda p: pipelined(p, sched))).lower(sharded).compile(FAST)(sharded)
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-6)
+  ref = dict(jax.tree_util.tree_leaves_with_path(want[1]))
+  for path, g in jax.tree_util.tree_leaves_with_path(got[1]):
+    r = np.asarray(ref[path])
+    np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()),
+                               err_msg=jax.tree_util.keystr(path))
