@@ -42,7 +42,9 @@ STRATEGIES: tuple[Strategy, ...] = (
     # FSDP (ZeRO-3): the batch is split like DP, and every weight along its `embed` (or output-channel)
     # dimension, so parameters, gradients and optimizer state are sharded; XLA gathers weights for use.
     Strategy("fsdp", "fully sharded data parallel", "fsdp", ("batch", "embed", "conv_out")),
-    Strategy("ep", "expert parallel", "expert", ("batch", "experts"), implemented=False),
+    # EP: experts split over `expert`; the batch too (outside the experts it is data parallel), tokens
+    # go to their experts' owners and back with all-to-all (models.moe).
+    Strategy("ep", "expert parallel", "expert", ("batch", "experts")),
     Strategy("cp", "context (sequence) parallel", "context", ("act_seq",), implemented=False),
     # Megatron TP: QKV and MLP-up split by columns (heads / mlp), attention-out and MLP-down by rows,
     # the vocabulary split in the embedding and the LM head.

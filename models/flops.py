@@ -4,6 +4,7 @@ Training = 3 x forward (backward = 2 x forward). A multiply-add is 2 FLOPs. Embe
 softmax and element-wise ops are not counted; attention is, in full (no discount for the causal
 mask), as in PaLM and Megatron:
   decoder: tokens x (6 x N_matmul + 12 x L x T x H x Dh),  N_matmul = block weights + LM head (d x V)
+  MoE decoder: the same with the experts' weights counted k/E (the active ones) and the router (d x E)
   ViT:     images x (6 x N_matmul x T + 12 x L x T^2 x H x Dh + 6 x d x classes),  T = patches + 1
   ResNet:  images x 3 x sum over convs and the head of 2 x H_out x W_out x k^2 x C_in x C_out
 """
@@ -15,6 +16,8 @@ from models.resnet import ResNetConfig
 from models.transformer import TransformerConfig
 from models.vit import ViTConfig
 
+MOE_FORMULA = ("tokens*(6*N_active + 12*L*T*H*Dh), N_active = attention + k/E of the experts + router"
+               " + d*V head")
 DECODER_FORMULA = "tokens*(6*N_matmul + 12*L*T*H*Dh), N_matmul = block weights + d*V head"
 VIT_FORMULA = "images*(6*N_matmul*T + 12*L*T^2*H*Dh + 6*d*classes), T = patches+1"
 RESNET_FORMULA = "images*3*sum_convs(2*Hout*Wout*k^2*Cin*Cout) + head"
@@ -32,6 +35,16 @@ def decoder_step_flops(cfg: TransformerConfig, batch: int, seq_len: int) -> floa
   n_matmul = cfg.num_layers * block_matmul_params(b) + b.d_model * cfg.vocab_size
   attn = 12 * cfg.num_layers * seq_len * b.num_heads * b.head_dim
   return float(batch * seq_len) * (6 * n_matmul + attn)
+
+
+def moe_step_flops(cfg, batch: int, seq_len: int) -> float:
+  """A Mixtral-style decoder (`models.mixtral.MixtralConfig`): each token runs k of the E experts."""
+  b, moe = cfg.block, cfg.moe
+  attn_w = b.d_model * b.head_dim * (2 * b.num_heads + 2 * b.num_kv_heads)
+  experts_w = moe.top_k * 3 * b.d_model * b.d_ff
+  n_active = cfg.num_layers * (attn_w + experts_w + b.d_model * moe.num_experts) + b.d_model * cfg.vocab_size
+  attn = 12 * cfg.num_layers * seq_len * b.num_heads * b.head_dim
+  return float(batch * seq_len) * (6 * n_active + attn)
 
 
 def vit_step_flops(cfg: ViTConfig, batch: int) -> float:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import data, flops, resnet, transformer, vit
+from models import data, flops, mixtral, resnet, transformer, vit
 
 
 class ModelError(ValueError):
@@ -59,13 +59,19 @@ class ModelSpec:
       logits, labels = model(batch["inputs"]), batch["targets"]
     else:
       logits, labels = model(batch["images"]), batch["labels"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    aux = None
+    if isinstance(logits, tuple):  # MoE: (logits, {"aux_loss", router stats})
+      logits, aux = logits
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    return loss if aux is None else loss + aux["aux_loss"]
 
   def step_flops(self, batch: int) -> float:
     if self.family in transformer.SIZES:
       return flops.decoder_step_flops(self.config, batch, self.seq_len)
     if self.family == "vit":
       return flops.vit_step_flops(self.config, batch)
+    if self.family == "mixtral":
+      return flops.moe_step_flops(self.config, batch, self.seq_len)
     return flops.resnet_step_flops(self.config, batch)
 
   def tp_dims(self) -> dict[str, int]:
@@ -84,14 +90,15 @@ FAMILIES = {
     "llama3": tuple(transformer.SIZES["llama3"]),
     "vit": tuple(vit.SIZES),
     "resnet": tuple(resnet.SIZES),
+    "mixtral": tuple(mixtral.SIZES),
 }
-DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50"}
+DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50", "mixtral": "8x7b"}
 
 
 def get_model(family: str, size: str | None = None, layers: int | None = None,
-              seq_len: int | None = None) -> ModelSpec:
-  """The model `family` at `size` (default per family), optionally with fewer/more layers or another
-  sequence length."""
+              seq_len: int | None = None, capacity_factor: float | None = None) -> ModelSpec:
+  """The model `family` at `size` (default per family), optionally with fewer/more layers, another
+  sequence length or (MoE) another expert capacity factor."""
   if family not in FAMILIES:
     raise ModelError(f"unknown model {family!r}; choose one of {', '.join(FAMILIES)}")
   size = (size or DEFAULT_SIZE[family]).lower()
@@ -99,6 +106,8 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
     raise ModelError(f"unknown size {size!r} for {family}; choose one of {', '.join(FAMILIES[family])}")
   if layers is not None and layers < 1:
     raise ModelError(f"--layers must be >= 1, got {layers}")
+  if capacity_factor is not None and family != "mixtral":
+    raise ModelError(f"--capacity_factor applies to mixtral (a mixture of experts); {family} has no experts")
   if family in transformer.SIZES:
     cfg = transformer.SIZES[family][size]
     if layers:
@@ -109,11 +118,21 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
     if cfg.learned_positions and t > cfg.max_seq_len:
       raise ModelError(f"--seq_len={t} exceeds {family}-{size}'s {cfg.max_seq_len} learned positions")
     return ModelSpec(family, size, cfg, "lm", t, transformer.Transformer, flops.DECODER_FORMULA)
+  if family == "mixtral":
+    cfg = mixtral.SIZES[size]
+    if layers:
+      cfg = dataclasses.replace(cfg, num_layers=layers)
+    if capacity_factor is not None:
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
+    t = seq_len or cfg.max_seq_len
+    if t < 1:
+      raise ModelError(f"--seq_len must be >= 1, got {t}")
+    return ModelSpec(family, size, cfg, "lm", t, mixtral.Mixtral, flops.MOE_FORMULA)
   if family == "vit":
     cfg = vit.SIZES[size]
     if layers:
       cfg = dataclasses.replace(cfg, num_layers=layers)
     return ModelSpec(family, size, cfg, "image", cfg.seq_len, vit.ViT, flops.VIT_FORMULA)
   if layers:
-    raise ModelError("--layers applies to gpt2, llama3 and vit; resnet has a fixed depth per size")
+    raise ModelError("--layers applies to gpt2, llama3, vit and mixtral; resnet has a fixed depth per size")
   return ModelSpec(family, size, resnet.SIZES[size], "image", 0, resnet.ResNet, flops.RESNET_FORMULA)

@@ -1,5 +1,6 @@
-"""Mixture of experts: Mixtral shapes, routing and capacity, and gradients under expert parallelism
-(alone and with dp, fsdp, tp and pp) equal to the same model on one device, with planted bugs."""
+"""Mixture of experts: routing and capacity, gradients under expert parallelism (alone and with dp, fsdp,
+tp and pp) equal to the same model on one device, with planted bugs; the trainer running it. (The 8x7B
+parameter count is in test_models.py.)"""
 
 from __future__ import annotations
 
@@ -85,12 +86,6 @@ def _assert_same(got, want):
 @pytest.fixture(scope="module")
 def reference():
   return _grads(None)
-
-
-def test_mixtral_8x7b_parameter_count():
-  with nnx.use_eager_sharding(False):
-    model = nnx.eval_shape(lambda: mixtral.Mixtral(mixtral.SIZES["8x7b"], dtype=jnp.float32, rngs=nnx.Rngs(0)))
-  assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == 46_702_792_704
 
 
 def test_capacity():
@@ -205,3 +200,34 @@ def test_pipeline_with_expert_parallel_stages_matches_one_device():
     r = np.asarray(ref[path])
     np.testing.assert_allclose(np.asarray(g), r, rtol=1e-5, atol=1e-6 * float(np.abs(r).max()),
                                err_msg=jax.tree_util.keystr(path))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+
+
+def _train(parallelism: str):
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  cfg = train.TrainConfig(model="mixtral", size="tiny", parallelism=parallelism, batch=8, seq_len=16, steps=3,
+                          warmup_steps=1, capacity_factor=0.0, write=False, verbose=False, compiler_options=FAST)
+  n = int(np.prod([int(x.split(":")[1]) for x in parallelism.split(",")]))
+  return train.run(cfg, train.plan(cfg, jax.devices()[:n]))
+
+
+def test_trainer_runs_expert_parallel_like_one_device():
+  one, ep = _train("dp:1"), _train("dp:2,ep:4")
+  assert ep.losses[-1] < ep.losses[0]
+  np.testing.assert_allclose(ep.losses, one.losses, rtol=2e-5)
+  assert ep.summary["comm"]["all-to-all"]["bytes"] > 0 and "all-to-all" not in one.summary["comm"]
+
+
+@pytest.mark.parametrize("kw,line", [
+    (dict(model="gpt2", parallelism="dp:4,ep:2"), "ep:2 splits experts and gpt2 has none; use --model=mixtral"),
+    (dict(model="mixtral", size="tiny", parallelism="ep:3"), "ep:3 does not divide mixtral-tiny's 8 experts"),
+    (dict(model="llama3", capacity_factor=1.0), "--capacity_factor applies to mixtral (a mixture of experts)"),
+])
+def test_bad_expert_configurations_get_one_line(kw, line):
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(train.ConfigError) as e:
+    train.check_request(train.TrainConfig(**kw))
+  assert str(e.value).startswith(line) and "\n" not in str(e.value)

@@ -41,6 +41,7 @@ class TrainConfig:
   dtype: str = "float32"
   learning_rate: float = 3e-4
   seed: int = 0
+  capacity_factor: float | None = None  # MoE expert capacity (model default when None; <= 0: dropless)
   outdir: str | None = None  # run folder; default runs/train/<name>-<UTC time>
   profile_steps: int = 0
   topology: str | None = None
@@ -67,7 +68,7 @@ class Plan:
 def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
   """Everything that can be checked before JAX sees a device."""
   try:
-    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len)
+    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len, cfg.capacity_factor)
     parallelism = par.parse_parallelism(cfg.parallelism) if cfg.parallelism else None
     topology = parse_topology(cfg.topology) if cfg.topology else None
     if parallelism is not None:
@@ -88,6 +89,13 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
       if n % tp:
         raise ConfigError(f"tp:{tp} does not divide {cfg.model}-{spec.size}'s {what} ({n});"
                           " choose a tensor-parallel degree that divides it")
+  if parallelism is not None and (ep := parallelism.degree("ep")) > 1:
+    experts = getattr(getattr(spec.config, "moe", None), "num_experts", 0)
+    if not experts:
+      raise ConfigError(f"ep:{ep} splits experts and {cfg.model} has none; use --model=mixtral or another strategy")
+    if experts % ep:
+      raise ConfigError(f"ep:{ep} does not divide {cfg.model}-{spec.size}'s {experts} experts; choose an"
+                        " expert-parallel degree that divides it")
   return spec, parallelism, topology
 
 
@@ -128,7 +136,9 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
   except par.ParallelismError as e:
     raise ConfigError(str(e)) from None
   if cfg.batch % parallelism.batch_shards:
-    raise ConfigError(f"--batch={cfg.batch} is not divisible by dp x fsdp = {parallelism.batch_shards}:"
+    splitters = " x ".join(s.flag for s in par.STRATEGIES
+                           if "batch" in s.shards and parallelism.degree(s.flag) > 1) or "dp"
+    raise ConfigError(f"--batch={cfg.batch} is not divisible by {splitters} = {parallelism.batch_shards}:"
                       " every batch shard needs the same number of examples")
   mesh = par.build_mesh(parallelism, devices, order)
   return Plan(cfg, spec, parallelism, order, topology, note, mesh,
