@@ -13,9 +13,10 @@ not depend on how the batch is split: Switch's load-balancing loss `E * sum_e f_
 of assignments routed to e, P_e: mean router probability of e) and ST-MoE's router z-loss
 `mean(logsumexp(logits)^2)`.
 
-Dispatch: `all_to_all` (capacity-padded buffers, every platform). XLA's `ragged-all-to-all` (no padding)
-exists on GPU only; `dispatch_for` names the one a platform runs, and the choice is recorded with the
-results (this module implements the padded form; see BUILD_NOTES).
+Dispatch (`dispatch_for`): `all_to_all` (capacity-padded buffers, every platform) or, on GPU,
+`ragged_all_to_all` (XLA's ragged all-to-all: assignments sorted by expert, each owner sent exactly its
+rows, grouped matmuls with `ragged_dot`; capacity is then per receiving device). XLA:CPU has no ragged
+all-to-all, so the ragged path is tested here against an emulation of its documented semantics.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class MoeConfig:
   capacity_factor: float = 1.25  # <= 0: capacity = group size, so nothing is ever dropped
   aux_loss_coef: float = 0.01  # load balancing (Switch)
   z_loss_coef: float = 0.001  # router z-loss (ST-MoE)
+  dispatch: str = "auto"  # see dispatch_for
 
 
 def capacity(group_tokens: int, cfg: MoeConfig) -> int:
@@ -50,11 +52,15 @@ def capacity(group_tokens: int, cfg: MoeConfig) -> int:
   return max(1, math.ceil(cfg.capacity_factor * group_tokens * cfg.top_k / cfg.num_experts))
 
 
-def dispatch_for(platform: str) -> str:
-  """The token exchange a platform runs: the padded all-to-all everywhere for now (XLA:CPU has no
-  ragged-all-to-all; the ragged form on GPU is a known limit in BUILD_NOTES)."""
-  del platform
-  return "all_to_all"
+DISPATCHES = ("auto", "all_to_all", "ragged_all_to_all")
+
+
+def dispatch_for(platform: str, requested: str = "auto") -> str:
+  """The token exchange that runs: `requested`, or for `auto` the ragged all-to-all on GPU (XLA has it
+  there) and the capacity-padded all-to-all elsewhere (XLA:CPU reports ragged-all-to-all unimplemented)."""
+  if requested != "auto":
+    return requested
+  return "ragged_all_to_all" if platform in ("gpu", "cuda", "rocm") else "all_to_all"
 
 
 def exchange(buf_ECD: jax.Array, axis: str | None) -> jax.Array:
@@ -73,22 +79,18 @@ def experts_ffn(x_ECD: jax.Array, w_up: jax.Array, w_gate: jax.Array, w_down: ja
   return jnp.einsum("enf,efd->end", jax.nn.silu(g) * h, w_down.astype(dt))
 
 
-def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axis: str | None,
-                   sum_axes: tuple[str, ...]):
-  """One group: route, dispatch, run the experts, combine. Returns (y_GD, aux_loss, stats)."""
-  f32 = jnp.float32
+def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis: str):
+  """XLA's ragged all-to-all (`jax.lax.ragged_all_to_all`): slices of `operand` to their owners."""
+  return jax.lax.ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                   axis_name=axis)
+
+
+def _padded(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
+  """Capacity-padded dispatch: [E, C, D] buffers, C slots per expert. Returns (y_kGD, keep_kG)."""
   g, d = x_GD.shape
-  e, k = cfg.num_experts, cfg.top_k
+  k, e = idx_kG.shape[0], cfg.num_experts
   c = capacity(g, cfg)
-  total = (lambda a: jax.lax.psum(a, sum_axes)) if sum_axes else (lambda a: a)
-
-  logits_GE = x_GD.astype(f32) @ router_DE.astype(f32)
-  probs_GE = jax.nn.softmax(logits_GE, axis=-1)
-  top_v_Gk, top_i_Gk = jax.lax.top_k(logits_GE, k)
-  weights_Gk = jax.nn.softmax(top_v_Gk, axis=-1)  # Mixtral: renormalised over the chosen experts
-
   # Slot of each assignment in its expert's buffer, first choices first.
-  idx_kG = top_i_Gk.T
   onehot_kGE = jax.nn.one_hot(idx_kG, e, dtype=jnp.int32)
   pos_kGE = jnp.cumsum(onehot_kGE.reshape(k * g, e), axis=0).reshape(k, g, e) - 1
   pos_kG = jnp.sum(pos_kGE * onehot_kGE, axis=-1)
@@ -104,12 +106,99 @@ def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axi
   out = experts_ffn(buf, w_up, w_gate, w_down)
   out = out.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
   out_ECD = exchange(out, ep_axis)
+  return out_ECD[idx_kG, jnp.minimum(slot_kG, c - 1)], keep_kG
 
-  y_kGD = out_ECD[idx_kG, jnp.minimum(slot_kG, c - 1)]
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+  return jnp.cumsum(a, axis=axis) - a
+
+
+def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
+  """Ragged dispatch: assignments sorted by expert, each owner sent exactly its rows.
+
+  Every device learns the whole count matrix (an all-gather of E integers per device), so senders and
+  receivers agree on every offset without a handshake. A receiver takes at most R = ceil(cf * G * k) rows
+  (its average share with headroom; all of them when cf <= 0); rows past R (the last sources' last
+  experts) are dropped. Received rows are regrouped by local expert for `ragged_dot` and sent back the
+  same way. Returns (y_kGD, keep_kG).
+  """
+  g, d = x_GD.shape
+  k, e = idx_kG.shape[0], cfg.num_experts
+  ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
+  me = jax.lax.axis_index(ep_axis) if ep_axis else 0
+  el, a = e // ep, k * g
+  rows = ep * a if cfg.capacity_factor <= 0 else max(1, math.ceil(cfg.capacity_factor * a))
+  i32 = jnp.int32
+
+  expert_A = idx_kG.reshape(a)  # choice-major: first choices first within each expert
+  order = jnp.argsort(expert_A, stable=True)
+  x_sorted = x_GD[jnp.tile(jnp.arange(g), k)[order]]
+  counts_E = jnp.zeros((e,), i32).at[expert_A].add(1)
+  counts = jax.lax.all_gather(counts_E, ep_axis) if ep_axis else counts_E[None]  # [src, E]
+  to_dev = counts.reshape(ep, ep, el).sum(-1)  # [src, dst] rows
+  start = jnp.minimum(_exclusive_cumsum(to_dev, 0), rows)  # where src's rows begin in dst's buffer
+  allowed = jnp.clip(rows - _exclusive_cumsum(to_dev, 0), 0, to_dev)  # rows dst accepts from src
+  send_off = _exclusive_cumsum(to_dev, 1)  # where dst's rows begin in src's sorted buffer
+
+  # Which sorted assignments are sent: the first `allowed` of each destination's run.
+  dst_A = jnp.sort(expert_A) // el
+  keep_sorted = jnp.arange(a) - send_off[me][dst_A] < allowed[me][dst_A]
+  keep_kG = jnp.zeros((a,), bool).at[order].set(keep_sorted).reshape(k, g)
+
+  if ep_axis:
+    # output_offsets: where each of this device's slices lands in its receiver's buffer.
+    recv = ragged_exchange(x_sorted, jnp.zeros((rows, d), x_GD.dtype), send_off[me], allowed[me], start[me],
+                           allowed[:, me], ep_axis)
+  else:
+    recv = jnp.zeros((rows, d), x_GD.dtype).at[:a].set(x_sorted[:rows]) if rows >= a else x_sorted[:rows]
+
+  # Regroup the received rows (source-major, each source's run sorted by expert) by local expert.
+  mine = jax.lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)  # [src, E_l]
+  kept = jnp.clip(allowed[:, me][:, None] - _exclusive_cumsum(mine, 1), 0, mine)  # [src, E_l]
+  bounds = jnp.cumsum(kept.reshape(-1))
+  # Group of each row (ep * E_l for the unused tail): how many group ends it is past.
+  group_r = jnp.sum(jnp.arange(rows)[:, None] >= bounds[None, :], axis=1)
+  expert_r = jnp.where(group_r < ep * el, group_r % el, el)
+  perm = jnp.argsort(expert_r, stable=True)
+  sizes = kept.sum(0)
+  dt = recv.dtype
+  xg = recv[perm]
+  h = jax.lax.ragged_dot(xg, w_up.astype(dt), sizes)
+  gate = jax.lax.ragged_dot(xg, w_gate.astype(dt), sizes)
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * h, w_down.astype(dt), sizes)
+  out = jnp.where((jnp.arange(rows) < sizes.sum())[:, None], out, 0)
+  out = jnp.zeros_like(out).at[perm].set(out)
+
+  if ep_axis:
+    back = ragged_exchange(out, jnp.zeros((a, d), dt), start[:, me], allowed[:, me], send_off[:, me], allowed[me],
+                           ep_axis)
+  else:
+    back = jnp.zeros((a, d), dt).at[:min(a, rows)].set(out[:min(a, rows)])
+  y_A = jnp.zeros_like(back).at[order].set(back)
+  return y_A.reshape(k, g, d), keep_kG
+
+
+def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axis: str | None,
+                   sum_axes: tuple[str, ...]):
+  """One group: route, dispatch, run the experts, combine. Returns (y_GD, aux_loss, stats)."""
+  f32 = jnp.float32
+  g, _ = x_GD.shape
+  e, k = cfg.num_experts, cfg.top_k
+  total = (lambda a: jax.lax.psum(a, sum_axes)) if sum_axes else (lambda a: a)
+
+  logits_GE = x_GD.astype(f32) @ router_DE.astype(f32)
+  probs_GE = jax.nn.softmax(logits_GE, axis=-1)
+  top_v_Gk, top_i_Gk = jax.lax.top_k(logits_GE, k)
+  weights_Gk = jax.nn.softmax(top_v_Gk, axis=-1)  # Mixtral: renormalised over the chosen experts
+  idx_kG = top_i_Gk.T
+
+  dispatch = dispatch_for(jax.default_backend(), cfg.dispatch)
+  run = _ragged if dispatch == "ragged_all_to_all" else _padded
+  y_kGD, keep_kG = run(x_GD, idx_kG, cfg, ep_axis, w_up, w_gate, w_down)
   y_GD = jnp.sum(y_kGD * (weights_Gk.T * keep_kG)[..., None].astype(y_kGD.dtype), axis=0)
 
   tokens = total(jnp.asarray(g, f32))
-  share_E = total(jnp.sum(onehot_kGE, axis=(0, 1)).astype(f32)) / (tokens * k)
+  share_E = total(jnp.sum(jax.nn.one_hot(idx_kG, e, dtype=f32), axis=(0, 1))) / (tokens * k)
   prob_E = total(jnp.sum(probs_GE, axis=0)) / tokens
   load_balance = e * jnp.sum(share_E * prob_E)
   z_loss = total(jnp.sum(jax.nn.logsumexp(logits_GE, axis=-1) ** 2)) / tokens

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from models import data, flops, mixtral, resnet, transformer, vit
+from models import data, flops, mixtral, moe, resnet, transformer, vit
 
 
 class ModelError(ValueError):
@@ -96,9 +96,10 @@ DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50", "m
 
 
 def get_model(family: str, size: str | None = None, layers: int | None = None,
-              seq_len: int | None = None, capacity_factor: float | None = None) -> ModelSpec:
+              seq_len: int | None = None, capacity_factor: float | None = None,
+              moe_dispatch: str | None = None) -> ModelSpec:
   """The model `family` at `size` (default per family), optionally with fewer/more layers, another
-  sequence length or (MoE) another expert capacity factor."""
+  sequence length or (MoE) another expert capacity factor or token exchange."""
   if family not in FAMILIES:
     raise ModelError(f"unknown model {family!r}; choose one of {', '.join(FAMILIES)}")
   size = (size or DEFAULT_SIZE[family]).lower()
@@ -106,8 +107,11 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
     raise ModelError(f"unknown size {size!r} for {family}; choose one of {', '.join(FAMILIES[family])}")
   if layers is not None and layers < 1:
     raise ModelError(f"--layers must be >= 1, got {layers}")
-  if capacity_factor is not None and family != "mixtral":
-    raise ModelError(f"--capacity_factor applies to mixtral (a mixture of experts); {family} has no experts")
+  for flag, value in (("capacity_factor", capacity_factor), ("moe_dispatch", moe_dispatch)):
+    if value is not None and family != "mixtral":
+      raise ModelError(f"--{flag} applies to mixtral (a mixture of experts); {family} has no experts")
+  if moe_dispatch is not None and moe_dispatch not in moe.DISPATCHES:
+    raise ModelError(f"unknown --moe_dispatch={moe_dispatch!r}; choose one of {', '.join(moe.DISPATCHES)}")
   if family in transformer.SIZES:
     cfg = transformer.SIZES[family][size]
     if layers:
@@ -124,6 +128,8 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
       cfg = dataclasses.replace(cfg, num_layers=layers)
     if capacity_factor is not None:
       cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
+    if moe_dispatch is not None:
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch=moe_dispatch))
     t = seq_len or cfg.max_seq_len
     if t < 1:
       raise ModelError(f"--seq_len must be >= 1, got {t}")

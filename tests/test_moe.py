@@ -140,7 +140,58 @@ def test_all_to_all_dispatch_in_the_compiled_program():
   # The layers run under a scan: the loop body holds one layer's four (how often a loop body counts is
   # the fingerprint's convention); each moves exactly one buffer.
   assert a2a["count"] in (4, 4 * CFG.num_layers) and a2a["bytes"] == a2a["count"] * buf
-  assert moe.dispatch_for("cpu") == "all_to_all"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ragged dispatch (GPU's): XLA:CPU has no ragged-all-to-all, so its documented semantics are emulated here
+# with an all-gather; what is tested is every offset and size the MoE layer computes.
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis):
+  del recv_sizes
+  ops = jax.lax.all_gather(operand, axis)
+  io, ss, oo = (jax.lax.all_gather(a, axis) for a in (input_offsets, send_sizes, output_offsets))
+  me = jax.lax.axis_index(axis)
+  r = jnp.arange(output.shape[0])
+  for src in range(ops.shape[0]):
+    idx = r - oo[src, me]
+    valid = (idx >= 0) & (idx < ss[src, me])
+    rows = ops[src][jnp.clip(io[src, me] + idx, 0, operand.shape[0] - 1)]
+    output = jnp.where(valid[:, None], rows, output)
+  return output
+
+
+RAGGED = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, dispatch="ragged_all_to_all"))
+
+
+@pytest.mark.parametrize("axes", [None, {"expert": 8}, {"data": 2, "expert": 4}])
+def test_ragged_dispatch_matches_one_device(reference, monkeypatch, axes):
+  monkeypatch.setattr(moe, "ragged_exchange", _emulated_ragged_all_to_all)
+  _assert_same(_grads(axes, RAGGED), reference)
+
+
+def test_planted_ragged_offset_bug_fails_the_check(reference, monkeypatch):
+  def shifted(operand, output, io, ss, oo, rs, axis):  # every slice lands one row late
+    return _emulated_ragged_all_to_all(operand, output, io, ss, oo + 1, rs, axis)
+  monkeypatch.setattr(moe, "ragged_exchange", shifted)
+  with pytest.raises(AssertionError):
+    _assert_same(_grads({"expert": 4}, RAGGED), reference)
+
+
+def test_ragged_receive_buffer_drops_and_counts():
+  g, d, e = 16, 4, 4
+  cfg = moe.MoeConfig(num_experts=e, top_k=2, capacity_factor=0.5, dispatch="ragged_all_to_all")  # R = 16 rows
+  x = jnp.abs(jax.random.normal(jax.random.key(0), (1, g, d))) + 0.1
+  router = jnp.zeros((d, e)).at[:, 0].set(2.0).at[:, 1].set(1.0)
+  ones = jnp.ones((e, d, d))
+  y, _, stats = moe.moe_ffn(x, router, ones, ones, ones * 0.1, cfg)
+  assert float(stats["moe_dropped"]) == 2 * g - 16  # expert 0's 16 rows fill the buffer; expert 1's drop
+  assert np.all(np.abs(np.asarray(y)) > 0)  # every token kept its first choice
+
+
+def test_dispatch_choice():
+  assert moe.dispatch_for("gpu") == "ragged_all_to_all" and moe.dispatch_for("cpu") == "all_to_all"
+  assert moe.dispatch_for("gpu", "all_to_all") == "all_to_all"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -225,6 +276,8 @@ def test_trainer_runs_expert_parallel_like_one_device():
     (dict(model="gpt2", parallelism="dp:4,ep:2"), "ep:2 splits experts and gpt2 has none; use --model=mixtral"),
     (dict(model="mixtral", size="tiny", parallelism="ep:3"), "ep:3 does not divide mixtral-tiny's 8 experts"),
     (dict(model="llama3", capacity_factor=1.0), "--capacity_factor applies to mixtral (a mixture of experts)"),
+    (dict(model="mixtral", moe_dispatch="nccl"), "unknown --moe_dispatch='nccl'; choose one of auto, all_to_all,"
+                                                 " ragged_all_to_all"),
 ])
 def test_bad_expert_configurations_get_one_line(kw, line):
   from microbench import train  # pylint: disable=g-import-not-at-top

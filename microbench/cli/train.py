@@ -34,6 +34,9 @@ flags.DEFINE_integer("seed", 0, "Seed of the parameters and the synthetic data."
 flags.DEFINE_float("capacity_factor", None, "Mixture of experts: slots per expert = ceil(factor x tokens x"
                    " top-k / experts) per routing group; tokens past it are dropped (counted). <= 0: never drop."
                    " Default: the model's (1.25).", **_M)
+flags.DEFINE_string("moe_dispatch", None, "Mixture of experts: how tokens reach their experts: auto (XLA's"
+                    " ragged all-to-all on GPU, the capacity-padded all-to-all elsewhere), all_to_all or"
+                    " ragged_all_to_all.", **_M)
 flags.DEFINE_string("outdir", None, "Run folder (JSONL, TensorBoard, profile). Default:"
                     " runs/train/<model>-<size>_<parallelism>_<UTC time>.", **_M)
 flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the timed ones with"
@@ -53,7 +56,7 @@ def main(argv: list[str]) -> None:
       model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
       placement=FLAGS.placement, batch=FLAGS.batch, seq_len=FLAGS.seq_len, steps=FLAGS.steps,
       warmup_steps=FLAGS.warmup_steps, dtype=FLAGS.dtype, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
-      capacity_factor=FLAGS.capacity_factor,
+      capacity_factor=FLAGS.capacity_factor, moe_dispatch=FLAGS.moe_dispatch,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
       nodes_per_rack=FLAGS.nodes_per_rack)
   try:

@@ -42,6 +42,7 @@ class TrainConfig:
   learning_rate: float = 3e-4
   seed: int = 0
   capacity_factor: float | None = None  # MoE expert capacity (model default when None; <= 0: dropless)
+  moe_dispatch: str | None = None  # MoE token exchange (models.moe.DISPATCHES; default auto)
   outdir: str | None = None  # run folder; default runs/train/<name>-<UTC time>
   profile_steps: int = 0
   topology: str | None = None
@@ -68,7 +69,7 @@ class Plan:
 def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
   """Everything that can be checked before JAX sees a device."""
   try:
-    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len, cfg.capacity_factor)
+    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len, cfg.capacity_factor, cfg.moe_dispatch)
     parallelism = par.parse_parallelism(cfg.parallelism) if cfg.parallelism else None
     topology = parse_topology(cfg.topology) if cfg.topology else None
     if parallelism is not None:
