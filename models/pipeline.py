@@ -239,6 +239,15 @@ def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_par
   """
   from flax.core import spmd  # pylint: disable=g-import-not-at-top
 
+  mesh = jax.sharding.get_abstract_mesh()
+  stages = mesh.shape[AXIS] if AXIS in mesh.axis_names else 1
+  if stages != sched.stages:
+    raise ps.ScheduleError(f"the schedule is for {sched.stages} stages but the mesh's `stage` axis has {stages}")
+  for leaf in jax.tree.leaves(layer_params):
+    if leaf.shape[0] != sched.virtual:
+      raise ps.ScheduleError(f"layer parameters lead with {leaf.shape[0]} chunks; the schedule runs"
+                             f" {sched.virtual} per stage (stack them with stack_chunks)")
+    check_layers(leaf.shape[0] * leaf.shape[1], sched.stages, sched.virtual)
   manual = _manual()
   bax = batch_axes()
   rules = spmd.get_logical_axis_rules()

@@ -87,6 +87,11 @@ def test_schedule_refusals(args, line):
   assert str(e.value).startswith(line) and "\n" not in str(e.value)
 
 
+def test_schedule_and_mesh_must_agree():
+  with pytest.raises(ps.ScheduleError, match="the schedule is for 4 stages but the mesh's `stage` axis has 2"):
+    _pipelined(4, {"stage": 2}, ps.make_schedule("1f1b", 4, 4), lower_only=True)
+
+
 def test_uneven_layer_split_is_refused():
   pipeline.check_layers(8, 4)
   pipeline.check_layers(8, 2, 2)
