@@ -20,7 +20,8 @@ def _records(outdir):
 def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_reduce,all_to_all", "--scopes=all", "--min_bytes=1K", "--max_bytes=4K",
-               "--iters=3", "--samples=3", f"--outdir={out}"])
+               "--iters=3", "--samples=3", "--link_peaks=scale_up:100,scale_out:ndr", f"--outdir={out}"],
+              NCCL_ALGO="Ring", XLA_FLAGS="--xla_dump_hlo_pass_re=nothing")
   assert r.returncode == 0, r.stderr
   assert "emulated as racks:1,nodes:2,gpus:4" in r.stdout  # the CPU default, said in the output
   assert "scope rack_scale skipped" in r.stdout
@@ -37,6 +38,28 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 4}
   assert meta["mesh"]["shape"] == [1, 2, 4] and meta["status"] == "finished"
   assert meta["jax_version"] and meta["flags"]["collectives"] == ["all_reduce", "all_to_all"]
+  # The software stack, in meta.json and the header.
+  env = meta["environment"]
+  assert env["variables"]["NCCL_ALGO"] == "Ring" and env["variables"]["XLA_FLAGS"].startswith("--xla_dump")
+  assert env["packages"]["jax"] == meta["jax_version"] and env["gpu"] is None and env["hosts"]
+  assert env["toolkit"]["version"] and "NCCL_ALGO=Ring" in r.stdout and f"jax {meta['jax_version']}" in r.stdout
+  # Link peaks: per level in meta.json, and per record with busbw's share of the scope's bound.
+  assert meta["link_peaks"]["scale_up"]["gbps"] == 100 and meta["link_peaks"]["scale_out"]["link"] == "ndr"
+  from microbench.cluster import link_peaks
+  peaks = link_peaks.parse("scale_up:100,scale_out:ndr")
+  for rec in recs:
+    axes = meta["scopes"][rec["scope"]]["axes"]
+    bound = link_peaks.bus_peak(rec["collective"], axes, {"rack": 1, "node": 2, "gpu": 4}, peaks)
+    assert rec["peak_gbps"] == pytest.approx(bound)
+    assert rec["busbw_pct_of_peak"] == pytest.approx(100 * rec["busbw_gbps"] / bound)
+  # The same records as CSV, and an alpha-beta fit per series.
+  import csv
+  with open(out / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert [(r["collective"], r["scope"], int(r["bytes"])) for r in rows] == [
+      (r["collective"], r["scope"], r["bytes"]) for r in recs]
+  model = json.loads((out / "model.json").read_text())
+  assert len(model["fits"]) == 2 * 3 and all(f["points"] == 3 for f in model["fits"])
   ea = EventAccumulator(str(out))
   ea.Reload()
   tags = ea.Tags()["scalars"]
@@ -71,6 +94,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--max_bytes=12Q"], "bad size"),
     (["--iters=0"], "--iters=0 must be >= 1"),
     (["--max_bytes=64T"], "lower --max_bytes"),
+    (["--link_peaks=scale_out:fast"], "--link_peaks scale_out:fast: give GB/s"),
     (["stray"], "unexpected arguments"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):

@@ -12,8 +12,9 @@ from absl import app
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
-from microbench.cluster import distributed, machine
+from microbench.cluster import distributed, environment, link_peaks, machine
 from microbench.output import run_folder, table
+from microbench.report import alpha_beta
 
 # Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4
@@ -46,6 +47,14 @@ def _check_memory(cfg: sweep.SweepConfig) -> None:
         f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {sizes.format_size(have // 4 // 2**20 * 2**20)}")
 
 
+def _write_model(outdir: str, records: list[dict[str, Any]], out: run_folder.RunOutputs) -> None:
+  """model.json: the alpha-beta fit of every series measured so far (also after an interruption)."""
+  try:
+    alpha_beta.write_model(outdir, alpha_beta.fit_run(records))
+  except Exception as e:  # pylint: disable=broad-except
+    out.print(f"# no {alpha_beta.MODEL}: {type(e).__name__}: {e}")  # the measurements are already safe
+
+
 def _raise_interrupt(signum, frame):
   del signum, frame
   raise KeyboardInterrupt
@@ -64,6 +73,10 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   _check_memory(cfg)
   hosts = distributed.process_hosts()
   plans = plan_scopes(topology, cfg.scopes)
+  try:
+    peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
+  except link_peaks.LinkPeakError as e:
+    raise app.UsageError(str(e)) from None
   out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
   previous = run_folder.read_results(outdir) if resumed else []
   done = sweep.finished_points(previous)
@@ -76,11 +89,15 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "scopes": {p.name: {"axes": list(p.axes), "group_size": p.group_size, "num_groups": p.num_groups,
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
       "status": "running",
+      "link_peaks": link_peaks.describe(peaks),
+      "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
   out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
   out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
             f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
+  for line in environment.header(meta["environment"]) if out.enabled else []:
+    out.print(line)
   out.print(f"# {note}")
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
   if resumed:
@@ -104,7 +121,9 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
     out.close()
-  everything = sweep.latest(previous + records)
+    if out.enabled:
+      _write_model(outdir, run_folder.latest(previous + records), out)
+  everything = run_folder.latest(previous + records)
   out.print()
   out.print(table.summary(everything))
   wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")

@@ -16,8 +16,9 @@ from meshes.scopes import ScopePlan
 from meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program
 from microbench.bench.sizes import round_count, sweep
-from microbench.cluster import distributed
+from microbench.cluster import distributed, link_peaks
 from microbench.output import run_folder, table
+from microbench.output.run_folder import point_key
 
 
 class JobFailed(RuntimeError):
@@ -42,21 +43,13 @@ class SweepConfig:
   sample_s: float = 0.0  # > 0: fewer repetitions (down to 1) for operations that are already long
   inject_delay: tuple[int, float] | None = None  # (rank, seconds): fault injection for straggler tests
   inject_crash: tuple[int, int] | None = None    # (rank, point index): a rank that dies mid-sweep
-
-
-def point_key(rec: dict[str, Any]) -> tuple:
-  return (rec["collective"], rec["scope"], rec["dtype"], rec["requested_bytes"])
+  link_peaks: str | None = None  # --link_peaks: link peak per fabric level (else device-kind defaults)
 
 
 def finished_points(records: list[dict[str, Any]]) -> set[tuple]:
   """Points a resumed run need not repeat: measured, or failed their HLO check (deterministic).
   Skipped points (e.g. out of memory) are tried again."""
   return {point_key(r) for r in records if r["status"] in ("ok", "error")}
-
-
-def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One record per point, the last one written (a resumed run may re-measure skipped points)."""
-  return list({point_key(r): r for r in records}.values())
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
@@ -142,14 +135,17 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
     if p.skip_reason:
       out.print(f"# scope {p.name} skipped: {p.skip_reason}")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes]
+  peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
+  extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   total = len(blocks) * len(sizes)
   index = 0
   t_start = time.perf_counter()
   for bi, (cname, plan, dtype) in enumerate(blocks):
     coll = collectives.get(cname)
+    peak = link_peaks.bus_peak(cname, plan.axes, extents, peaks)
     out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
               f"{plan.group_size}, {coll.impl(mesh.devices.flat[0].platform)}, busbw factor "
-              f"{coll.busbw_factor(plan.group_size):.4g}")
+              f"{coll.busbw_factor(plan.group_size):.4g}" + (f", link peak {peak:.4g} GB/s busbw" if peak else ""))
     out.print("#" + table.HEADER[1:])
     out.print("#" + table.UNITS[1:])
     for size in sizes:
@@ -160,6 +156,8 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
       if cfg.inject_crash and cfg.inject_crash[0] == jax.process_index() and index > cfg.inject_crash[1]:
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a lost node, no cleanup
       rec = run_point(cfg, mesh, plan, coll, dtype, size, barrier)
+      if rec["status"] == "ok":
+        rec.update(link_peaks.share(rec["busbw_gbps"], peak))
       rec["point"] = index
       rec["of_points"] = total
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -16,7 +16,7 @@ from meshes.scopes import SCOPES
 from microbench.bench import collectives, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
-from microbench.cluster import machine
+from microbench.cluster import link_peaks, machine
 from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
@@ -36,6 +36,9 @@ flags.DEFINE_integer("samples", 10, "Timed runs per point: median, min and p99 o
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
+flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
+                    f" name ({', '.join(link_peaks.LINKS)}): e.g. scale_up:450,scale_out:ndr. Levels:"
+                    f" {', '.join(link_peaks.LEVELS)}. Default: NVLink from the device kind; no NIC peak.")
 flags.DEFINE_string("outdir", None, "Run folder. Default: runs/<UTC timestamp>.")
 flags.DEFINE_string("resume", None, "Continue the interrupted run in this folder with its recorded flags,"
                     " skipping points already in its results.jsonl.")
@@ -43,7 +46,7 @@ flags.DEFINE_string("inject_delay", None, "Fault injection RANK:MS: process RANK
 flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process RANK dies before point POINT+1.")
 
 SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "topology", "nodes_per_rack")
+               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -84,6 +87,10 @@ def config_from_flags() -> sweep.SweepConfig:
   if FLAGS.warmup < 0:
     raise app.UsageError(f"--warmup={FLAGS.warmup} must be >= 0")
   crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
+  try:
+    link_peaks.parse(FLAGS.link_peaks)
+  except link_peaks.LinkPeakError as e:
+    raise app.UsageError(str(e)) from None
   return sweep.SweepConfig(
       collectives=_choose(FLAGS.collectives, collectives.NAMES, "collective"),
       scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
@@ -92,7 +99,7 @@ def config_from_flags() -> sweep.SweepConfig:
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
       sample_s=FLAGS.sample_ms * 1e-3,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
-      inject_crash=(crash[0], int(crash[1])) if crash else None)
+      inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks)
 
 
 def main(argv: list[str]) -> int:

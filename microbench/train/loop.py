@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from meshes import parallelism as par
+from microbench.cluster import environment
 from microbench.output.train_log import TrainLog
 from microbench.train import comm_fingerprint, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
@@ -121,13 +122,16 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "placement_map": p.placement, "topology": str(p.topology), "topology_note": p.topology_note,
       "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": mesh.devices.flat[0].device_kind,
       "processes": jax.process_count(), "jax_version": jax.__version__,
+      "environment": environment.capture() if writer_on else None,
   }
   run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
   out = TrainLog(run_dir)
   out.line(config_record)
-  out.text("config", _markdown({k: v for k, v in config_record.items() if k != "kind"}))
+  out.text("config", _markdown({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
   say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
       f" {p.topology_note}")
+  for line in environment.header(config_record["environment"]) if writer_on else []:
+    say(" " + line[1:])
   say(f"  mesh {mesh_text} (axes outer->inner {','.join(p.axis_order)})")
   for axis, where in p.placement.items():
     say(f"  {axis:7s} {where}")
