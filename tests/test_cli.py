@@ -65,7 +65,9 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   tags = ea.Tags()["scalars"]
   assert "busbw_gbps/all_reduce/scale_up/float32" in tags and "time_us/all_to_all/global/float32" in tags
   steps = [e.step for e in ea.Scalars("busbw_gbps/all_reduce/scale_out/float32")]
-  assert steps == [1024, 2048, 4096]
+  assert steps == [100, 110, 120]  # 10 x log2(bytes)
+  assert "custom_scalars__config__" in ea.Tags()["tensors"] and "x_axis" in ea.Tags()["tensors"]
+  assert {"figures/all_reduce", "figures/all_to_all"} <= set(ea.Tags()["images"])  # the report's figures
   assert "config" in ea.Tags()["tensors"]
 
 

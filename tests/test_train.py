@@ -138,6 +138,13 @@ def test_cli_end_to_end(tmp_path):
   assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 3, 4]
   assert acc.Scalars("train/loss")[0].value == pytest.approx(steps[0]["loss"])
   assert "config/text_summary" in acc.Tags()["tensors"] or "config" in acc.Tags()["tensors"]
+  assert [e.step for e in acc.Scalars("summary/mfu")] == [0]  # one fixed step for every run
+  assert acc.Scalars("summary/comm_bytes/all-gather")[0].value == summary["comm"]["all-gather"]["bytes"]
+  from tensorboard.plugins.hparams import metadata as hp_metadata
+  start = hp_metadata.parse_session_start_info_plugin_data(
+      acc.SummaryMetadata(hp_metadata.SESSION_START_INFO_TAG).plugin_data.content)
+  assert start.hparams["parallelism"].string_value == "dp:2,fsdp:2,tp:2"
+  assert start.hparams["devices"].number_value == 8 and start.hparams["model"].string_value == "llama3"
   traces = list((out / "plugins" / "profile").rglob("*.xplane.pb"))
   assert traces, "no profiler trace in the run folder"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import signal
 from typing import Any
@@ -48,11 +49,19 @@ def _check_memory(cfg: sweep.SweepConfig) -> None:
 
 
 def _write_model(outdir: str, records: list[dict[str, Any]], out: run_folder.RunOutputs) -> None:
-  """model.json: the alpha-beta fit of every series measured so far (also after an interruption)."""
+  """model.json: the alpha-beta fit of every series measured so far (also after an interruption), and with
+  matplotlib (the `report` extra) the report's figures in the run's TensorBoard events (Images tab)."""
   try:
     alpha_beta.write_model(outdir, alpha_beta.fit_run(records))
   except Exception as e:  # pylint: disable=broad-except
     out.print(f"# no {alpha_beta.MODEL}: {type(e).__name__}: {e}")  # the measurements are already safe
+  if importlib.util.find_spec("matplotlib") is None:
+    return
+  try:
+    from microbench.report import build  # pylint: disable=g-import-not-at-top  (imports matplotlib)
+    build.sweep_images(outdir, records)
+  except Exception as e:  # pylint: disable=broad-except
+    out.print(f"# no figures in the TensorBoard events: {type(e).__name__}: {e}")
 
 
 def _raise_interrupt(signum, frame):
@@ -94,6 +103,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   }
   out.write_meta(meta)
   out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
+  out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
   out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
             f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
   for line in environment.header(meta["environment"]) if out.enabled else []:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from microbench.output.tensorboard import TensorBoardLog
@@ -20,6 +22,32 @@ META = "meta.json"
 # Columns a reader looks for first; every other field follows in name order.
 CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count", "group_size", "num_groups",
             "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "wrong", "status", "reason")
+
+
+# TensorBoard's x axis is the step, linear: with bytes as the step every size below the last few is crushed
+# against zero. The step is ten times log2 of the size, so every doubling is 10 steps (sweeps with a step
+# factor down to 1.07 keep distinct steps) and the exact bytes stay in the records.
+SIZE_STEP_TEXT = ("Collective sweeps use **step = round(10 x log2(bytes))**: 100 = 1 KiB, 110 = 2 KiB, 150 = 32 KiB,"
+                  " 200 = 1 MiB, 240 = 16 MiB, 300 = 1 GiB. Exact sizes are in results.jsonl. Set smoothing to 0:"
+                  " a size sweep is not a noisy time series.")
+_BY_COLLECTIVE = "per collective: a line per scope/dtype; step = 10 log2(bytes)"
+_BY_SCOPE = "per scope: a line per collective/dtype; step = 10 log2(bytes)"
+METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"))
+
+
+def size_step(nbytes: int) -> int:
+  return round(10 * math.log2(nbytes))
+
+
+def sweep_layout(collectives: Sequence[str], scopes: Sequence[str]) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+  """Custom Scalars: per metric, one chart per collective (a line per scope and dtype) and one chart per scope
+  (a line per collective and dtype). Titles are the same in every run, so TensorBoard merges runs' charts."""
+  cats = []
+  for tag, name in METRICS:
+    cats.append((f"{name} {_BY_COLLECTIVE}", [(f"{c}: {name}", [f"^{tag}/{c}/"]) for c in collectives]))
+  for tag, name in METRICS:
+    cats.append((f"{name} {_BY_SCOPE}", [(f"{s}: {name}", [f"^{tag}/[^/]+/{s}/"]) for s in scopes]))
+  return cats
 
 
 def point_key(rec: dict[str, Any]) -> tuple:
@@ -129,6 +157,12 @@ class RunOutputs:
     if self._tb:
       self._tb.text(tag, text)
 
+  def layout(self, collectives: Sequence[str], scopes: Sequence[str]) -> None:
+    """The Custom Scalars layout of this sweep and the x axis explained (the run's `x_axis` text)."""
+    if self._tb:
+      self._tb.custom_scalars(sweep_layout(collectives, scopes))
+      self._tb.text("x_axis", SIZE_STEP_TEXT)
+
   def record(self, rec: dict[str, Any]) -> None:
     if not self.enabled:
       return
@@ -139,8 +173,8 @@ class RunOutputs:
     write_csv(os.path.join(self.outdir, RESULTS_CSV), self._rows)
     if rec["status"] == "ok":
       base = f"{rec['collective']}/{rec['scope']}/{rec['dtype']}"
-      self._tb.scalar(f"busbw_gbps/{base}", rec["busbw_gbps"], rec["bytes"])
-      self._tb.scalar(f"time_us/{base}", rec["time_us"], rec["bytes"])
+      for tag, _ in METRICS:
+        self._tb.scalar(f"{tag}/{base}", rec[tag], size_step(rec["bytes"]))
 
   def close(self) -> None:
     if self._results:

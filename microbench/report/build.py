@@ -14,9 +14,11 @@ import dataclasses
 import datetime
 import os
 import re
+import struct
 from typing import Any
 
 from microbench.cluster import environment
+from microbench.output.tensorboard import TensorBoardLog
 from microbench.report import alpha_beta, plots, runs, tables
 
 REPORT = "report.md"
@@ -121,6 +123,26 @@ def prediction_rows(fits: dict[str, list[alpha_beta.Fit]], sizes: list[int]) -> 
   return rows
 
 
+def write_images(logdir: str, figures: dict[str, Any], prefix: str) -> None:
+  """The figures into TensorBoard's Images tab (tag `<prefix>/<name>`), for readers who only open TensorBoard."""
+  log = TensorBoardLog(logdir)
+  try:
+    for name, fig in figures.items():
+      png = plots.png_bytes(fig)
+      width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR chunk
+      log.image(f"{prefix}/{name.removesuffix('.png')}", png, width, height)
+  finally:
+    log.close()
+
+
+def sweep_images(outdir: str, records: list[dict[str, Any]]) -> int:
+  """A finished sweep's per-collective figures into its own events; returns how many."""
+  figs = single_sweep_figures(runs.SweepRun(outdir, os.path.basename(os.path.normpath(outdir)), {}, records))
+  if figs:
+    write_images(outdir, figs, "figures")
+  return len(figs)
+
+
 def _write_csv(path: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
   with open(path, "w", newline="", encoding="utf-8") as f:
     w = csv.writer(f)
@@ -194,6 +216,8 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
 
   for name, fig in figures.items():
     plots.save(fig, os.path.join(out, name))
+  if figures:
+    write_images(out, figures, "report")
   text = "\n".join(md) + "\n"
   with open(os.path.join(out, REPORT), "w", encoding="utf-8") as f:
     f.write(text)

@@ -127,6 +127,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
   out = TrainLog(run_dir)
   out.line(config_record)
+  out.hparams(config_record)
   out.text("config", _markdown({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
   say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
       f" {p.topology_note}")
@@ -196,9 +197,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "profile_dir": os.path.join(run_dir, "plugins", "profile") if (run_dir and cfg.profile_steps) else None,
   }
   out.line(summary)
-  out.scalars({f"summary/{k}": summary[k] for k in ("median_step_time_s", f"{item}_per_s",
-                                                     f"{item}_per_s_per_device", "tflops_per_device", "mfu",
-                                                     "compile_time_s", "memory_per_device_bytes")}, cfg.steps)
+  out.summary(summary)
   out.text("summary", _markdown({k: v for k, v in summary.items() if k != "kind"}), cfg.steps)
   out.close()
   say("summary:\n" + format_table(summary))
