@@ -50,6 +50,66 @@ flags.DEFINE_string("proxy_dtype", "bfloat16", "Element type of the proxy's buff
 flags.DEFINE_string("out", None, "proxy: JSONL records (process 0). plan: plan folder. run: results folder.")
 flags.DEFINE_string("label", "", "proxy: a label copied into the header record.")
 
+# --- plan
+flags.DEFINE_string("machine", "testbed", "plan: leonardo, lumi, alps, jupiter, dgx, testbed or custom, with "
+                    "options: leonardo:nodes=64; testbed:racks=4,hosts_per_rack=2,gpus_per_node=1,groups=1,"
+                    "host_rate=400mbit,uplink_rate=100mbit; custom:gpus_per_node=4,nodes_per_l1=10,l1_per_group=18,"
+                    "nodes=64,gpu=H100.")
+flags.DEFINE_string("node_map", None, "plan: file of `hostname group l1` lines describing the allocation's nodes.")
+flags.DEFINE_list("patterns", ["A", "E"], "plan: allocation pattern families (A equal split, E stochastic tiers; "
+                  "B geometric, C hierarchical, D power law).")
+flags.DEFINE_float("rho_min", 0.8, "plan: lowest utilisation (share of the machine's GPUs allocated).")
+flags.DEFINE_float("rho_max", 1.0, "plan: highest utilisation.")
+flags.DEFINE_integer("rho_steps", 1, "plan: utilisations from rho_min to rho_max (1: rho_max only).", lower_bound=1)
+flags.DEFINE_integer("size_divisor", 1, "plan: divide the study's job sizes by this for small machines.",
+                     lower_bound=1)
+flags.DEFINE_list("strategies", None, "plan: strategies to mix (default: all five).")
+flags.DEFINE_integer("g_min", None, "plan: smallest job in GPUs (default: the study's max(8, 2 q1), scaled).",
+                     lower_bound=1)
+flags.DEFINE_integer("k_max", None, "plan: most jobs in a mix (default: GPUs / g_min).", lower_bound=2)
+flags.DEFINE_integer("stochastic_patterns", 3, "plan: pattern-E mixes per utilisation.", lower_bound=0)
+flags.DEFINE_integer("samples_per_bin", 4, "plan: strategy labellings per entropy bin and pattern.", lower_bound=1)
+flags.DEFINE_integer("placement_samples_per_bin", 1, "plan: placement vectors per locality bin and labelling.",
+                     lower_bound=1)
+flags.DEFINE_integer("enum_threshold", 5000, "plan: enumerate labellings up to this many, else rejection-sample.",
+                     lower_bound=1)
+flags.DEFINE_float("placement_med_hi", 2.33, "plan: locality score between the medium and high bins (the "
+                   "study's runs used 2.55 and 2.35).")
+flags.DEFINE_integer("max_experiments", None, "plan: keep at most this many experiments (the 3x3 placement x "
+                     "entropy grid is interleaved first, so a prefix covers it).", lower_bound=1)
+flags.DEFINE_integer("seed", 42, "plan: seed of every random choice (same seed, same plan).")
+flags.DEFINE_multi_string("jobs", None, "plan: a hand-written mix instead of a generated one, one flag per job: "
+                          "STRATEGY[:MODEL]@NODES, e.g. dp@0,2 (GPUs = nodes x GPUs per node).")
+
+# --- run
+flags.DEFINE_string("plan", None, "run: the plan folder written by `plan`.")
+flags.DEFINE_enum("backend", "local", ["local", "testbed", "slurm"], "run: where jobs run: local processes, the "
+                  "emulated cluster (root; built for the plan's testbed machine unless --testbed_id), or srun steps "
+                  "inside the current SLURM allocation.")
+flags.DEFINE_bool("resume", False, "run: continue the study in --out (same settings), skipping finished units.")
+flags.DEFINE_integer("baseline_repeats", 1, "run: baseline runs per matching key.", lower_bound=1)
+flags.DEFINE_integer("small_job_threshold", 0, "run: jobs with fewer GPUs are small (respawned until every large "
+                     "job has finished once); 0: every job is large. The study used 512 on Leonardo.",
+                     lower_bound=0)
+flags.DEFINE_float("walltime", 600, "run: seconds a unit may take before the kill sequence.", lower_bound=1)
+flags.DEFINE_float("grace", 30, "run: seconds between SIGUSR1 and SIGKILL in the kill sequence.", lower_bound=0)
+flags.DEFINE_integer("max_failures", 3, "run: failed runs in a row after which a job fails its unit.",
+                     lower_bound=1)
+flags.DEFINE_list("experiments", None, "run: only these experiment ids (default: all).")
+flags.DEFINE_bool("baselines", True, "run: run the baselines (--nobaselines: concurrent runs only).")
+flags.DEFINE_string("testbed_id", None, "run --backend=testbed: use this running testbed instead of building one.")
+flags.DEFINE_string("srun_args", "", "run --backend=slurm: extra srun arguments (Alps: --mpi=cray_shasta "
+                    "--accel-bind=g).")
+flags.DEFINE_string("slurm_gpu_flag", "--gres=gpu:{n}", "run --backend=slurm: how a step asks for its GPUs per "
+                    "node ({n}); empty: ask for none.")
+
+# --- report
+flags.DEFINE_string("results", None, "report: the results folder written by `run`.")
+flags.DEFINE_string("report_dir", None, "report: where to write (default RESULTS/report).")
+flags.DEFINE_integer("drop_first", 1, "report: timed iterations dropped at the start of every run (the study's "
+                     "parser drops 1).", lower_bound=0)
+flags.DEFINE_bool("plots", True, "report: write the PNGs (needs matplotlib, the `report` extra).")
+
 
 def say(msg: str) -> None:
   print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
@@ -116,13 +176,110 @@ def _schedule_report() -> int:
   return 0
 
 
+def _plan() -> int:
+  from microbench.study import generator, machines, workloads  # pylint: disable=g-import-not-at-top
+  if not FLAGS.out:
+    raise app.UsageError("--out=FOLDER is required (the plan's folder)")
+  try:
+    machine = machines.parse(FLAGS.machine, FLAGS.node_map)
+    settings = generator.Settings(
+        machine, patterns=tuple(p.strip().upper() for p in FLAGS.patterns), rho_min=FLAGS.rho_min,
+        rho_max=FLAGS.rho_max, rho_steps=FLAGS.rho_steps, size_divisor=FLAGS.size_divisor,
+        strategies=tuple(FLAGS.strategies or workloads.STRATEGIES), g_min=FLAGS.g_min, k_max=FLAGS.k_max,
+        n_stochastic=FLAGS.stochastic_patterns, n_per_bin=FLAGS.samples_per_bin,
+        n_placement_per_bin=FLAGS.placement_samples_per_bin, enum_threshold=FLAGS.enum_threshold,
+        placement_cuts=(1.67, FLAGS.placement_med_hi), max_experiments=FLAGS.max_experiments, seed=FLAGS.seed)
+    if FLAGS.jobs:
+      experiments, dropped = [generator.manual(machine, [_job_spec(j) for j in FLAGS.jobs])], {}
+    else:
+      experiments, dropped = generator.generate(settings)
+  except (machines.MachineError, generator.PlanError, workloads.WorkloadError) as e:
+    raise app.UsageError(str(e)) from None
+  if not experiments:
+    say(f"no experiment fits this machine and these settings (dropped: {dropped}); nothing written")
+    return 1
+  path = generator.write(FLAGS.out, settings, experiments, dropped, " ".join(sys.argv))
+  say(f"{len(experiments)} experiment(s) for {machine.name} ({machine.total_gpus} GPUs) -> {path}")
+  for e in experiments:
+    jobs = " ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']}" for j in e["jobs"])
+    print(f"{e['id']}  {e['pattern']['id']:7s} H={e['entropy_bin']:6s} P={e['placement_bin']:6s}  {jobs}")
+  return 0
+
+
+def _job_spec(text: str) -> tuple[str, str | None, list[int]]:
+  head, at, nodes = text.partition("@")
+  strategy, _, model = head.partition(":")
+  node_list: list[int] = []
+  try:
+    for part in filter(None, (p.strip() for p in nodes.split(","))):
+      lo, dash, hi = part.partition("-")
+      node_list += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+  except ValueError:
+    node_list = []
+  if not at or not node_list:
+    raise app.UsageError(f"--jobs={text!r}: want STRATEGY[:MODEL]@NODES, e.g. dp@0,2 or fsdp:llama3-8b@0-3")
+  return strategy, model or None, node_list
+
+
+def _run() -> int:
+  from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+  from microbench.study import backends, runner  # pylint: disable=g-import-not-at-top
+  if not FLAGS.plan or not FLAGS.out:
+    raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required")
+  s = runner.RunSettings(
+      plan_dir=FLAGS.plan, out_dir=FLAGS.out, backend=FLAGS.backend, compute=FLAGS.compute,
+      compute_scale=FLAGS.compute_scale, bytes_scale=FLAGS.bytes_scale, iters=FLAGS.iters, warmup=FLAGS.warmup,
+      baseline_repeats=FLAGS.baseline_repeats, small_job_threshold=FLAGS.small_job_threshold,
+      walltime=FLAGS.walltime, grace=FLAGS.grace, max_failures=FLAGS.max_failures, dtype=FLAGS.proxy_dtype,
+      experiments=tuple(FLAGS.experiments or ()), baselines=FLAGS.baselines)
+  try:
+    _, experiments, machine = runner.prepare(s, FLAGS.resume)
+    unknown = set(s.experiments) - {e["id"] for e in experiments}
+    if unknown:
+      raise app.UsageError(f"--experiments: {', '.join(sorted(unknown))} not in the plan")
+    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
+                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
+  except runner.RunError as e:
+    raise app.UsageError(str(e)) from None
+  launch.install_signal_handlers()
+  try:
+    backend.open()
+    records = runner.run(s, backend, machine, experiments, say=say)
+  except (backends.BackendError, tbm.TestbedError) as e:
+    say(f"error: {e}")
+    return 1
+  except launch.Interrupted as e:
+    say(f"interrupted ({e}); `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
+    return 128 + e.signum
+  finally:
+    backend.close()
+  failed = [r["unit"] for r in records if r["status"] != "done"]
+  if failed:
+    say(f"{len(failed)} unit(s) failed: {', '.join(failed)}; `run --resume` runs them again")
+  say(f"results in {FLAGS.out}; `{NAME} report --results={FLAGS.out}` summarises them")
+  return 1 if failed else 0
+
+
+def _report() -> int:
+  from microbench.study import report  # pylint: disable=g-import-not-at-top
+  if not FLAGS.results:
+    raise app.UsageError("--results=RESULTS_FOLDER is required")
+  if not os.path.exists(os.path.join(FLAGS.results, "units.jsonl")):
+    raise app.UsageError(f"{FLAGS.results} holds no finished unit (no units.jsonl): run the study first")
+  out = report.build(FLAGS.results, FLAGS.report_dir, FLAGS.drop_first, FLAGS.plots, say=say)
+  with open(os.path.join(out["report_dir"], "report.md"), encoding="utf-8") as f:
+    print(f.read())
+  return 0
+
+
 def main(argv: list[str]) -> int:
   args = argv[1:]
   mode = args.pop(0) if args and args[0] in MODES else None
   if mode is None or args:
     raise app.UsageError(f"want one mode of {', '.join(MODES)} (got {argv[1:] or 'none'}); see --help")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  return {"proxy": _proxy, "schedule": _schedule_report}[mode]()
+  return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report}[mode]()
 
 
 def run() -> None:
