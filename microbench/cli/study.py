@@ -115,14 +115,14 @@ def say(msg: str) -> None:
   print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
 
 
-def _schedule(gpus: int):
-  """The job's schedule (hand-written or derived) and its unscaled version."""
+def _schedule(gpus: int, devices=None):
+  """The job's schedule (hand-written or derived from --proxy_from) and its unscaled version."""
   from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
   try:
     if FLAGS.proxy_from:
       from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
       full = hlo_schedule.derive(FLAGS.proxy_from, gpus, gpu=FLAGS.gpu, batch=FLAGS.batch, seq_len=FLAGS.seq_len,
-                                 layers=FLAGS.layers)
+                                 layers=FLAGS.layers, devices=devices)
     else:
       full = schedules.build(FLAGS.strategy, gpus, FLAGS.gpu, FLAGS.model)
   except (workloads.WorkloadError, ValueError) as e:
@@ -164,15 +164,40 @@ def _proxy() -> int:
 
 
 def _schedule_report() -> int:
-  from microbench.study import schedules  # pylint: disable=g-import-not-at-top
+  """Bytes per iteration of a proxy (and, with --proxy_from, of the hand-written one for the same strategy,
+  with the difference), without running anything; --proxy_from compiles the step on virtual CPU devices."""
+  from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
   gpus = FLAGS.gpus or 8
-  _, full = _schedule(gpus)
-  rows = []
-  for r in sorted({0, gpus - 1}):
-    per = schedules.bytes_per_iteration(full, r)
-    rows.append({"rank": r, "bytes_per_iteration": per, "total_bytes": sum(per.values()),
-                 "compute_s": schedules.compute_seconds(full, r)})
-  print(json.dumps({"schedule": full.name, "gpus": gpus, "meta": full.meta, "ranks": rows}, indent=1))
+  devices = None
+  if FLAGS.proxy_from:
+    from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+    from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+    machine.prepare_cpu_devices(Topology(1, 1, gpus), False)
+    import jax  # pylint: disable=g-import-not-at-top
+    if len(jax.devices()) < gpus:
+      raise app.UsageError(f"--gpus={gpus} but only {len(jax.devices())} devices here (JAX_NUM_CPU_DEVICES)")
+    devices = jax.devices()[:gpus]
+  _, full = _schedule(gpus, devices)
+
+  def describe(job) -> dict:
+    rows = []
+    for r in sorted({0, gpus - 1}):
+      per = schedules.bytes_per_iteration(job, r)
+      rows.append({"rank": r, "bytes_per_iteration": per, "total_bytes": sum(per.values()),
+                   "compute_s": schedules.compute_seconds(job, r)})
+    return {"schedule": job.name, "gpus": gpus, "meta": job.meta, "ranks": rows}
+  out = {"proxy": describe(full)}
+  if FLAGS.proxy_from:
+    from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
+    strategy = hlo_schedule.parse_proxy_from(FLAGS.proxy_from)[2]
+    try:
+      hand = schedules.build(strategy, gpus, FLAGS.gpu, FLAGS.model)
+    except workloads.WorkloadError as e:
+      raise app.UsageError(str(e)) from None
+    out["hand_written"] = describe(hand)
+    out["comparison"] = hlo_schedule.compare(hand, full)
+    out["comparison"]["derived"].pop("meta")
+  print(json.dumps(out, indent=1, default=str))
   return 0
 
 

@@ -211,7 +211,9 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
     for r, p in enumerate(BINS):
       for c, h in enumerate(BINS):
         if cells.get((p, h)):
-          ax.text(c, r, f"{grid[r][c]:.1f}%\nn={len(cells[(p, h)])}", ha="center", va="center", color="w", fontsize=8)
+          bright = im.norm(grid[r][c]) > 0.5  # dark text on the bright end of viridis
+          ax.text(c, r, f"{grid[r][c]:.1f}%\nn={len(cells[(p, h)])}", ha="center", va="center",
+                  color="k" if bright else "w", fontsize=8)
     ax.set_xticks(range(3), BINS)
     ax.set_yticks(range(3), BINS)
     ax.set_xlabel("mix entropy bin")

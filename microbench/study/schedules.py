@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 
 from microbench.study import workloads as wl
 
-COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,17 +36,22 @@ class Group:
 @dataclasses.dataclass(frozen=True)
 class Comm:
   """One collective. `elements` is the per-rank buffer in nccl-tests' convention (all-gather: the output,
-  reduce-scatter: the input, all-to-all: the whole send buffer); `send` goes from ranks[0] to ranks[1]."""
+  reduce-scatter: the input, all-to-all: the whole send buffer). A `permute` sends each source's buffer to
+  its target, (source, target) pairs given as positions in the group; a stage-to-stage send is the group
+  (sender, receiver) with the pair (0, 1)."""
   op: str
   elements: int
   group: Group
   label: str  # the timer the study reports it under (bucket, allgather, reduce_scatter, replica, pp, tp, ep, ...)
+  pairs: tuple[tuple[int, int], ...] = ()
 
   def __post_init__(self):
     if self.op not in COLLECTIVE_OPS:
       raise ValueError(f"unknown collective {self.op!r}")
-    if self.op == "send" and self.group.size != 2:
-      raise ValueError("a send needs a group of (sender, receiver)")
+    if (self.op == "permute") != bool(self.pairs):
+      raise ValueError("a permute, and only a permute, has (source, target) pairs")
+    if any(not (0 <= a < self.group.size and 0 <= b < self.group.size) for a, b in self.pairs):
+      raise ValueError(f"pairs {self.pairs} outside a group of {self.group.size}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +121,8 @@ def scale_elements(op: str, elements: int, n: int, scale: float) -> int:
 
 
 def sent_bytes(comm: Comm, rank: int, element_bytes: int = wl.BF16_BYTES) -> int:
-  """Bytes of this collective charged to `rank` (nccl-tests' S); a send is charged to its sender only."""
-  if comm.op == "send" and comm.group.ranks[0] != rank:
+  """Bytes of this collective charged to `rank` (nccl-tests' S); a permute is charged to its sources only."""
+  if comm.op == "permute" and comm.group.ranks.index(rank) not in {a for a, _ in comm.pairs}:
     return 0
   return comm.elements * element_bytes
 
@@ -154,7 +159,7 @@ def check_consistent(job: JobSchedule) -> None:
     for c in job.comms(rank):
       if rank not in c.group.ranks:
         raise ValueError(f"rank {rank} calls a {c.op} on group {c.group.ranks} it is not in")
-      per_group.setdefault(c.group.ranks, []).append((c.op, c.elements))
+      per_group.setdefault(c.group.ranks, []).append((c.op, c.elements, c.pairs))
     for ranks, calls in per_group.items():
       seen.setdefault(ranks, []).append((rank, calls))
   for ranks, members in seen.items():
@@ -268,7 +273,7 @@ def _pipeline(strategy: str, model: wl.ModelShape, fwd: float, lay: Layout, rank
 
   def transfer(src_stage: int, dst_stage: int) -> Comm:
     pair = (lay.rank(data, src_stage, inner), lay.rank(data, dst_stage, inner))
-    return Comm("send", pp_msg, Group("stage_pair", pair), "pp")
+    return Comm("permute", pp_msg, Group("stage_pair", pair), "pp", ((0, 1),))
 
   inner_calls: list[Comm] = []
   if strategy == "dp+pp+tp":
