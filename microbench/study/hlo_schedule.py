@@ -171,7 +171,7 @@ def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int
   gpus = len(ranks_of_positions)
   n_slots = sum(1 for e in evts if e.kind != "done") + 1
   per_slot = compute_s / n_slots
-  ranks = []
+  ranks: list[tuple[sch.Step, ...]] = [()] * gpus
   for pos in range(gpus):
     b: list[sch.Step] = []
     handles: dict[str, int] = {}
@@ -204,7 +204,7 @@ def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int
     b.append(sch.Compute(per_slot, "step"))
     if handles:
       b.append(sch.Wait(tuple(handles.values()), "end"))
-    ranks.append(tuple(b))
+    ranks[ranks_of_positions[pos]] = tuple(b)
   return sch.JobSchedule(name, gpus, samples, tuple(ranks), meta or {})
 
 
@@ -233,11 +233,26 @@ def training_parallelism(strategy: str, gpus: int) -> str:
   return parts[strategy]
 
 
-def derive(proxy_from: str, gpus: int, *, gpu: str = "A100", batch: int | None = None, seq_len: int | None = None,
-           layers: int | None = None, devices: Sequence | None = None, compiler_options: dict | None = None,
-           dtype: str = "bfloat16") -> sch.JobSchedule:
-  """The derived schedule of `proxy_from` ('MODEL,STRATEGY') on `gpus` ranks. `devices` (default: every
-  device, one per rank in process order) are where the step is laid out; ValueError on bad input."""
+@dataclasses.dataclass
+class CompiledStep:
+  """The training step of a derived proxy, compiled: its HLO text and what the schedule needs around it."""
+  text: str
+  proxy_from: str
+  strategy: str
+  parallelism: str
+  batch: int
+  spec: object  # models.ModelSpec
+  mesh: object  # jax.sharding.Mesh
+  axis_order: tuple[str, ...]
+  params: int
+  devices: list
+
+
+def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_len: int | None = None,
+                 layers: int | None = None, devices: Sequence | None = None, compiler_options: dict | None = None,
+                 dtype: str = "bfloat16") -> CompiledStep:
+  """microbench-train's step for `proxy_from` ('MODEL,STRATEGY') laid out on `gpus` devices (default: every
+  device, one per rank in process order), compiled ahead of time; ValueError (one line) on bad input."""
   import jax  # pylint: disable=g-import-not-at-top
   from microbench import train  # pylint: disable=g-import-not-at-top
   from models.optimizer import AdamWConfig, adamw  # pylint: disable=g-import-not-at-top
@@ -258,19 +273,32 @@ def derive(proxy_from: str, gpus: int, *, gpu: str = "A100", batch: int | None =
     raise ValueError(f"--proxy_from={proxy_from}: {e}") from None
   trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0)
   text = trainer.compile_step(compiler_options).as_text()
-  evts, notes = events(text, gpus)
-  position_rank = [devices.index(d) for d in p.mesh.devices.flat]
-  flops = p.spec.step_flops(global_batch)
-  compute_s = flops / gpus / wl.gpu(gpu).peak_flops
-  meta = {"strategy": strategy, "proxy_from": proxy_from, "model": f"{family}-{p.spec.size}",
-          "parallelism": parallelism, "batch": global_batch, "seq_len": p.spec.seq_len, "params": trainer.num_params,
-          "layers": layers, "step_flops": flops, "gpu": wl.gpu(gpu).name, "platform": devices[0].platform,
+  return CompiledStep(text, proxy_from, strategy, parallelism, global_batch, p.spec, p.mesh, p.axis_order,
+                      trainer.num_params, devices)
+
+
+def from_step(step: CompiledStep, gpu: str = "A100") -> sch.JobSchedule:
+  """The derived schedule of a compiled step (see the module docstring)."""
+  gpus = len(step.devices)
+  evts, notes = events(step.text, gpus)
+  position_rank = [step.devices.index(d) for d in step.mesh.devices.flat]
+  flops = step.spec.step_flops(step.batch)
+  meta = {"strategy": step.strategy, "proxy_from": step.proxy_from, "model": f"{step.spec.family}-{step.spec.size}",
+          "parallelism": step.parallelism, "batch": step.batch, "seq_len": step.spec.seq_len, "params": step.params,
+          "step_flops": flops, "gpu": wl.gpu(gpu).name, "platform": step.devices[0].platform,
           "events": sum(1 for e in evts if e.kind != "done"), "hlo_notes": notes,
-          "mesh": dict(zip(p.axis_order, [int(p.mesh.shape[a]) for a in p.axis_order]))}
-  return schedule_from_events(evts, position_rank, compute_s, f"derived {proxy_from}",
-                              wl.samples_per_iteration(strategy, gpus) if batch is None else global_batch,
-                              tuple(int(p.mesh.shape[a]) for a in p.mesh.axis_names), list(p.mesh.axis_names),
-                              meta=meta)
+          "mesh": {a: int(step.mesh.shape[a]) for a in step.axis_order}}
+  return schedule_from_events(evts, position_rank, flops / gpus / wl.gpu(gpu).peak_flops, f"derived {step.proxy_from}",
+                              step.batch, tuple(int(step.mesh.shape[a]) for a in step.mesh.axis_names),
+                              list(step.mesh.axis_names), meta=meta)
+
+
+def derive(proxy_from: str, gpus: int, *, gpu: str = "A100", batch: int | None = None, seq_len: int | None = None,
+           layers: int | None = None, devices: Sequence | None = None, compiler_options: dict | None = None,
+           dtype: str = "bfloat16") -> sch.JobSchedule:
+  """The derived schedule of `proxy_from` ('MODEL,STRATEGY') on `gpus` ranks; ValueError on bad input."""
+  return from_step(compile_step(proxy_from, gpus, batch=batch, seq_len=seq_len, layers=layers, devices=devices,
+                                compiler_options=compiler_options, dtype=dtype), gpu)
 
 
 def compare(hand: sch.JobSchedule, derived: sch.JobSchedule) -> dict:

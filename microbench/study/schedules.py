@@ -140,8 +140,8 @@ def compute_seconds(job: JobSchedule, rank: int) -> float:
 
 
 def check_consistent(job: JobSchedule) -> None:
-  """Every member of a communicator issues the same collectives on it in the same order (else the job
-  would deadlock or mismatch), and every started collective is waited for. Raises ValueError."""
+  """Every member of a communicator issues the same collectives on it in the same order, every started
+  collective is waited for, and the ranks can all finish the iteration (no deadlock). Raises ValueError."""
   seen: dict[tuple, list[tuple[int, list]]] = {}
   for rank, steps in enumerate(job.ranks):
     started: set[int] = set()
@@ -170,6 +170,57 @@ def check_consistent(job: JobSchedule) -> None:
     for rank, calls in members[1:]:
       if calls != first:
         raise ValueError(f"group {ranks}: rank {rank} issues {calls[:3]}... but rank {first_rank} {first[:3]}...")
+  _check_progress(job)
+
+
+def _check_progress(job: JobSchedule) -> None:
+  """Plays the iteration with blocking semantics: a blocking collective (or a wait for a started one)
+  completes once every member has reached (or started) the same call on that communicator. Raises
+  ValueError naming the stuck ranks if the ranks can't all finish: a deadlock."""
+  n = len(job.ranks)
+  pos = [0] * n
+  reached: dict[tuple[tuple[int, ...], int], set[int]] = {}  # (communicator, call number) -> ranks there
+  handle_call: list[dict[int, tuple[tuple[int, ...], int]]] = [{} for _ in range(n)]
+  mine: list[dict[tuple[int, ...], int]] = [{} for _ in range(n)]
+
+  def arrive(rank: int, c: Comm) -> tuple[tuple[int, ...], int]:
+    k = mine[rank].get(c.group.ranks, 0)
+    mine[rank][c.group.ranks] = k + 1
+    reached.setdefault((c.group.ranks, k), set()).add(rank)
+    return c.group.ranks, k
+
+  def complete(call: tuple[tuple[int, ...], int]) -> bool:
+    return len(reached.get(call, ())) == len(call[0])
+
+  blocked: list[tuple[tuple[int, ...], int] | None] = [None] * n
+  progress = True
+  while progress:
+    progress = False
+    for r in range(n):
+      steps = job.ranks[r]
+      while pos[r] < len(steps):
+        s = steps[pos[r]]
+        if isinstance(s, Compute):
+          pos[r] += 1
+        elif isinstance(s, Start):
+          handle_call[r][s.handle] = arrive(r, s.comm)
+          pos[r] += 1
+        elif isinstance(s, Blocking):
+          if blocked[r] is None:
+            blocked[r] = arrive(r, s.comm)
+          if not complete(blocked[r]):
+            break
+          blocked[r] = None
+          pos[r] += 1
+        else:
+          if not all(complete(handle_call[r][h]) for h in s.handles):
+            break
+          pos[r] += 1
+        progress = True
+  stuck = [r for r in range(n) if pos[r] < len(job.ranks[r])]
+  if stuck:
+    raise ValueError(f"deadlock: rank(s) {stuck[:8]}{'...' if len(stuck) > 8 else ''} can't finish the iteration "
+                     f"(rank {stuck[0]} waits at step {pos[stuck[0]]})")
 
 
 # ---------------------------------------------------------------------------------------------------------
