@@ -241,7 +241,7 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
   stopped (jobs are independent: other jobs go on). `timeout` bounds the whole call; SIGINT/SIGTERM
   (as `Interrupted`, see install_signal_handlers) stops everything and is re-raised after cleanup.
   """
-  start = time.monotonic()
+  t0 = time.monotonic()
   results: dict[str, JobResult] = {}
   all_procs = [p for procs in jobs.values() for p in procs]
   try:
@@ -262,15 +262,15 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
           stop(procs, grace)
           results[job] = JobResult(job, launcher_code(first.returncode), first.rank, first.returncode,
                                    f"{first.name} failed with {describe_code(first.returncode)}",
-                                   time.monotonic() - start)
+                                   time.monotonic() - t0)
         elif all(p.returncode == 0 for p in procs):
           for p in procs:
             for t in p.threads:
               t.join(timeout=5)
-          results[job] = JobResult(job, 0, seconds=time.monotonic() - start)
+          results[job] = JobResult(job, 0, seconds=time.monotonic() - t0)
       if len(results) == len(jobs):
         break
-      if timeout and time.monotonic() - start > timeout:
+      if timeout and time.monotonic() - t0 > timeout:
         pending = [j for j in jobs if j not in results]
         named = [j for j in pending if j]
         say(f"timeout after {timeout:g} s; stopping " + (f"job(s) {', '.join(named)}" if named else "all ranks"))
@@ -278,7 +278,7 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
           stop(jobs[job], grace)
           alive = [p.rank for p in jobs[job] if p.stopped_by_us]
           results[job] = JobResult(job, EXIT_TIMEOUT, reason=f"timeout after {timeout:g} s (ranks still "
-                                   f"running: {alive})", seconds=time.monotonic() - start)
+                                   f"running: {alive})", seconds=time.monotonic() - t0)
         break
       time.sleep(poll)
   except BaseException:

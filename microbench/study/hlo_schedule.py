@@ -193,7 +193,7 @@ def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int
       elements = max(1, e.nbytes // element_bytes)
       if e.op in ("all_gather", "reduce_scatter", "all_to_all"):
         elements = max(len(group), elements // len(group) * len(group))
-      comm = sch.Comm(e.op, elements, sch.Group(kind, ranks_in), f"{e.op}:{kind}", pairs)
+      comm = sch.Comm(e.op, elements, sch.Group(kind, ranks_in), kind, pairs)
       b.append(sch.Compute(per_slot, "step"))
       if e.kind == "start":
         counter += 1

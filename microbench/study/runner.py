@@ -195,7 +195,10 @@ class UnitRunner:
     while time.monotonic() < deadline and any(p.returncode is None for i in live for p in i.procs):
       time.sleep(0.05)
     for inst in live:
-      launch.stop(inst.procs, 0.0)
+      for p in inst.procs:
+        if p.returncode is None:
+          launch.signal_group(p, signal.SIGKILL)
+      launch.stop(inst.procs, 0.0)  # reaps what is left (and its log threads)
       inst.outcome = "stopped"
       inst.returncode = inst.procs[0].returncode
       inst.seconds = time.monotonic() - inst.started
