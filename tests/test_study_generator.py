@@ -135,6 +135,7 @@ def test_small_jobs_share_a_node_on_a_dgx():
   dgx = mm.parse("dgx")
   nodes = placement.place(dgx, [(4, "intra-l1"), (2, "intra-l1"), (2, "intra-l1")], 0)
   assert nodes == [[0], [0], [0]]
+  assert placement.first_slots(dgx, [4, 2, 2], nodes) == [0, 4, 6]  # each job its own GPUs
   assert placement.place(dgx, [(4, "intra-l1"), (4, "intra-l1"), (2, "intra-l1")], 0) is None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,12 +58,27 @@ def test_local_study_end_to_end(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   units = records(os.path.join(res, "units.jsonl"))
   assert [u["status"] for u in units] == ["done", "done"] and units[1]["ended"] == "large jobs finished"
+  stopped = [i for j in units[1]["jobs"] for i in j["instances"] if i["outcome"] == "stopped"]
+  # a respawned proxy ends on SIGUSR1 (its handler, or the default action before it is installed), not SIGKILL
+  assert all(i["returncode"] in (0, -signal.SIGUSR1) for i in stopped)
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=local", "--bytes_scale=1e-4", "--compute_scale=0.1",
             "--iters=4", "--resume")
   assert r.returncode == 0 and "2 unit(s) already done, 0 to run" in r.stderr
   r = study("report", f"--results={res}", "--noplots")
   assert r.returncode == 0, r.stderr
   assert "| dp | vit-h | 2 | intra-group |" in r.stdout and "**" in r.stdout
+
+
+def test_busy_compute_occupies_the_device():
+  import time
+
+  import jax
+
+  from microbench.study import proxy
+  kernel = proxy.BusyKernel(jax.devices()[0])
+  t = time.perf_counter()
+  kernel(0.2)
+  assert time.perf_counter() - t >= 0.1  # a kernel that did not run would return at once
 
 
 def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):

@@ -186,6 +186,10 @@ def test_slurm_steps_and_template(tmp_path):
   assert "--backend=slurm" in text and '"$@"' in text and "--resume" in text
 
 
-def test_rank_nodes_follow_ranks_per_node():
+def test_rank_nodes_and_gpus_follow_ranks_per_node(tmp_path):
   job = gen.job_entry("j0", "dp", 6, "intra-group", [4, 9])
   assert bk.rank_nodes(job) == [4, 4, 4, 9, 9, 9]
+  small = gen.job_entry("j1", "dp", 2, "intra-l1", [0], first_slot=4)
+  procs = bk.LocalBackend().procs(small, ["true"], "t", str(tmp_path))
+  assert [p.env["CUDA_VISIBLE_DEVICES"] for p in procs] == ["4", "5"]
+  assert [p.env["MICROBENCH_HOSTNAME"] for p in procs] == ["node0", "node0"]

@@ -55,7 +55,14 @@ class Backend:
     return self.name
 
 
+def rank_gpu(job: dict, rank: int) -> int:
+  """The GPU index (on its node) of a rank: the job's first slot plus the rank's place on the node."""
+  return job.get("first_slot", 0) + rank % job["ranks_per_node"]
+
+
 class LocalBackend(Backend):
+  """Every rank on this machine: one machine node's ranks report the host name node<i>; on a GPU machine
+  (one node, e.g. the DGX preset) each rank sees only its own GPU (CUDA/HIP_VISIBLE_DEVICES)."""
   name = "local"
 
   def procs(self, job, command, tag, log_dir):
@@ -66,6 +73,7 @@ class LocalBackend(Backend):
       argv = list(command) + launch.distributed_flags(coordinator, job["gpus"], i)
       env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
           coordinator, job["gpus"], i, 1, f"node{node}", job=tag)))
+      env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = str(rank_gpu(job, i))
       out.append(launch.Proc(tag, i, argv, env, os.path.join(log_dir, f"rank{i}.log")))
     return out
 

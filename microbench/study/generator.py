@@ -340,10 +340,12 @@ def placement_vectors(per_slot: Sequence[Sequence[str]], n_per_bin: int, cuts: t
 
 
 def job_entry(name: str, strategy: str, gpus: int, placement_class: str, nodes: list[int],
-              model: str | None = None) -> dict:
+              model: str | None = None, first_slot: int = 0) -> dict:
+  """One job of an experiment: rank r runs on nodes[r // ranks_per_node], GPU first_slot + r % ranks_per_node."""
   st = wl.strategy(strategy)
   return {"name": name, "strategy": st.name, "model": model or st.model, "gpus": gpus,
           "placement_class": placement_class, "nodes": nodes, "ranks_per_node": wl.ceil_div(gpus, len(nodes)),
+          "first_slot": first_slot,
           "degrees": dataclasses.asdict(wl.degrees(st.name, gpus))}
 
 
@@ -373,7 +375,9 @@ def generate(s: Settings) -> tuple[list[dict], dict]:
         if nodes is None:
           dropped["unplaceable"] += 1
           continue
-        jobs = [job_entry(f"j{i}", st, g, c, n) for i, (st, g, c, n) in enumerate(zip(lab, pat.slots, vec, nodes))]
+        slots = placement.first_slots(s.machine, pat.slots, nodes)
+        jobs = [job_entry(f"j{i}", st, g, c, n, first_slot=f)
+                for i, (st, g, c, n, f) in enumerate(zip(lab, pat.slots, vec, nodes, slots))]
         candidates.append({
             "pattern": {"id": pat.id, "family": pat.family, "slots": list(pat.slots)},
             "utilization": sum(pat.slots) / s.total_gpus, "entropy": h, "entropy_norm": hnorm,

@@ -115,3 +115,17 @@ def place(machine: mm.Machine, jobs: Sequence[tuple[int, str]], seed: int, tries
     else:
       return [list(x) for x in out]  # type: ignore[arg-type]
   return None
+
+
+def first_slots(machine: mm.Machine, gpus: Sequence[int], nodes: Sequence[Sequence[int]]) -> list[int]:
+  """The first GPU index each job uses on its nodes: 0 for whole nodes; jobs sharing a node get consecutive
+  GPUs, in job order (their ranks then select GPUs first_slot, first_slot + 1, ...)."""
+  taken: dict[int, int] = {}
+  out = []
+  for g, ns in zip(gpus, nodes):
+    if g >= machine.gpus_per_node:
+      out.append(0)
+      continue
+    out.append(taken.get(ns[0], 0))
+    taken[ns[0]] = out[-1] + g
+  return out
