@@ -152,3 +152,35 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   # Two flows on one uplink get half of it each: sigma near 2 (1.8-1.9 measured). The interval is left to
   # the rehearsal in BUILD_NOTES: 6 samples per job here, some taken while the other job restarts.
   assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
+
+
+def _slurm_problem() -> str | None:
+  import shutil
+  if shutil.which("salloc") is None or shutil.which("sinfo") is None:
+    return "SLURM's salloc/sinfo are not installed"
+  try:
+    r = subprocess.run(["sinfo", "-h", "-o", "%a %D"], capture_output=True, text=True, timeout=10, check=False)
+  except subprocess.TimeoutExpired:
+    return "no SLURM controller answers"
+  if r.returncode != 0 or "up" not in r.stdout:
+    return f"no SLURM partition is up ({(r.stderr or r.stdout).strip()[:80]})"
+  return None
+
+
+SLURM = _slurm_problem()
+
+
+@pytest.mark.skipif(SLURM is not None, reason=f"no SLURM cluster here: {SLURM}")
+def test_slurm_backend_runs_steps_in_one_allocation(tmp_path):
+  """A DGX-like mix (two 4-rank jobs sharing one node) as srun --exact steps inside one salloc."""
+  plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
+  assert study("plan", "--machine=dgx", "--samples_per_bin=1", "--max_experiments=1", f"--out={plan}").returncode == 0
+  r = subprocess.run(["salloc", "-N1", "-n8", *STUDY, "run", "--backend=slurm", f"--plan={plan}", f"--out={res}",
+                      "--slurm_gpu_flag=", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=5"],
+                     capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env(), check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  units = records(os.path.join(res, "units.jsonl"))
+  assert all(u["status"] == "done" for u in units) and units[-1]["kind"] == "concurrent"
+  for job in units[-1]["jobs"]:
+    first = records(os.path.join(res, job["instances"][0]["raw"]))
+    assert first[0]["gpus"] == job["gpus"] and sum(1 for x in first if x["kind"] == "iter") == 4

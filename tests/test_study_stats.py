@@ -71,6 +71,11 @@ def test_sigma_is_a_ratio_of_statistics_not_an_average_of_ratios():
   assert mean_of_ratios > 2.0 and s.sigma != pytest.approx(mean_of_ratios)
 
 
+def test_no_interval_from_five_samples_or_fewer():
+  s = stats.sigma([10.0] * 5, [5.0] * 9)
+  assert (s.low, s.high) == (2.0, 2.0) and not s.has_interval and not s.excludes_one
+
+
 def test_sigma_interval_excludes_one_when_clearly_slower():
   base = [100.0 + i for i in range(30)]
   conc = [50.0 + i for i in range(30)]

@@ -128,9 +128,10 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
   for k in keys.values():
     s = k.sigma
     if s:
+      ci = (f"[{s.low:.3f}, {s.high:.3f}] | {'yes' if s.excludes_one else 'no'}" if s.has_interval
+            else "none (<= 5 samples) | n/a")
       lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
-                   f"{s.baseline_geomean:.4g} | {s.concurrent_median:.4g} | **{s.sigma:.3f}** | "
-                   f"[{s.low:.3f}, {s.high:.3f}] | {'yes' if s.excludes_one else 'no'} | "
+                   f"{s.baseline_geomean:.4g} | {s.concurrent_median:.4g} | **{s.sigma:.3f}** | {ci} | "
                    f"{100 * s.share_slower:.0f}% | {_fmt(k.comm_share_baseline, 2)} | "
                    f"{_fmt(k.comm_share_concurrent, 2)} |")
     else:
@@ -279,7 +280,8 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
   table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
             "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
             "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
-            **({"sigma": dataclasses.asdict(k.sigma)} if k.sigma else {})} for k in keys.values()]
+            **({"sigma": dict(dataclasses.asdict(k.sigma), has_interval=k.sigma.has_interval,
+                              excludes_one=k.sigma.excludes_one)} if k.sigma else {})} for k in keys.values()]
   with open(os.path.join(report_dir, "sigma.json"), "w", encoding="utf-8") as f:
     json.dump(table, f, indent=1)
   tb = TensorBoardLog(os.path.join(report_dir, "tensorboard"), flush_each=False)

@@ -55,8 +55,13 @@ class Sigma:
   share_slower: float  # fraction of concurrent samples with geomean(baseline)/sample > 1.05
 
   @property
+  def has_interval(self) -> bool:
+    """Both medians have a real interval (more than 5 samples each); else it collapsed to the medians."""
+    return self.n_baseline > 5 and self.n_concurrent > 5
+
+  @property
   def excludes_one(self) -> bool:
-    return self.low > 1.0 or self.high < 1.0
+    return self.has_interval and (self.low > 1.0 or self.high < 1.0)
 
 
 def sigma(baseline: Sequence[float], concurrent: Sequence[float], threshold: float = SLOWDOWN_THRESHOLD) -> Sigma:
