@@ -163,7 +163,8 @@ def _slurm_problem() -> str | None:
   except subprocess.TimeoutExpired:
     return "no SLURM controller answers"
   if r.returncode != 0 or "up" not in r.stdout:
-    return f"no SLURM partition is up ({(r.stderr or r.stdout).strip()[:80]})"
+    why = ((r.stderr or r.stdout).strip().splitlines() or ["nothing listed"])[0]
+    return f"no SLURM partition is up ({why[:80]})"
   return None
 
 
