@@ -148,7 +148,7 @@ def test_console_scripts_start_from_the_install():
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
     scripts = tomllib.load(f)["project"]["scripts"]
   assert set(scripts) == {"microbench", "microbench-train", "microbench-launch", "microbench-testbed",
-                          "microbench-report"}
+                          "microbench-report", "microbench-study"}
   for name, target in scripts.items():
     module, func = target.split(":")
     # Each command defines its own flags, so each is imported in its own process.

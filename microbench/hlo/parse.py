@@ -43,6 +43,26 @@ def parse_iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(int(v) for v in row) for row in ids.reshape(g, s))
 
 
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def parse_mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """Expands the named-mesh replica-group form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`: device ids laid out
+  row-major over the mesh, one group per combination of the other axes, members along the named axes."""
+  m = _MESH_GROUPS.fullmatch(text.strip())
+  if not m:
+    raise ValueError(f"unrecognised replica groups {text!r}")
+  sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+  names = [k for k, _ in sizes]
+  grouped = re.findall(r"'([^']+)'", m.group(2))
+  if not sizes or any(g not in names for g in grouped):
+    raise ValueError(f"unrecognised replica groups {text!r}")
+  ids = np.arange(int(np.prod([v for _, v in sizes]))).reshape([v for _, v in sizes])
+  order = [i for i, k in enumerate(names) if k not in grouped] + [names.index(g) for g in grouped]
+  size = int(np.prod([dict(sizes)[g] for g in grouped])) if grouped else 1
+  return tuple(tuple(int(v) for v in row) for row in ids.transpose(order).reshape(-1, size))
+
+
 @dataclasses.dataclass(frozen=True)
 class Instruction:
   """One collective instruction line: its opcode (without `-start`), result type and operand text."""
@@ -71,9 +91,12 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
       pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
       groups = _parse_list_of_lists(pm.group(1)) if pm else ()
     else:
-      gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
+      gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
+                     r"mesh\[[^\]]*\]\s*\{[^}]*\})", rest)
       if not gm:
         groups = ()
+      elif gm.group(1).startswith("mesh"):
+        groups = parse_mesh_groups(gm.group(1))
       elif gm.group(1).startswith("["):
         groups = parse_iota_groups(gm.group(1))
       else:
