@@ -8,8 +8,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import run_cli
 
-FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "samples",
-          "time_us", "time_us_min", "time_us_p99", "algbw_gbps", "busbw_gbps", "wrong", "status"}
+FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "short_iters",
+          "samples", "samples_us", "time_method", "time_us", "time_us_min", "time_us_max", "algbw_gbps",
+          "busbw_gbps", "wrong", "status", "wire_dtype", "trip_count", "call_us_short", "call_us_long"}
 
 
 def _records(outdir):
@@ -20,7 +21,7 @@ def _records(outdir):
 def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_reduce,all_to_all", "--scopes=all", "--min_bytes=1K", "--max_bytes=4K",
-               "--iters=3", "--samples=3", f"--outdir={out}"])
+               "--iters=4", "--samples=3", f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   assert "emulated as racks:1,nodes:2,gpus:4" in r.stdout  # the CPU default, said in the output
   assert "scope rack_scale skipped" in r.stdout
@@ -51,7 +52,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
   flagfile = tmp_path / "sweep.flags"
   flagfile.write_text("--collectives=reduce_scatter,broadcast\n--scopes=scale_out,rack_scale\n"
                       "--topology=racks:2,nodes:3,gpus:1\n--dtype=float32,bfloat16\n")
-  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=2", "--samples=2",
+  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=4", "--samples=2",
                f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   recs = _records(out)
@@ -70,6 +71,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--min_bytes=1M", "--max_bytes=1K"], "is larger than --max_bytes"),
     (["--max_bytes=12Q"], "bad size"),
     (["--iters=0"], "--iters=0 must be >= 1"),
+    (["--iters=3"], "--iters=3: use 1 (latency mode"),
     (["--max_bytes=64T"], "lower --max_bytes"),
     (["stray"], "unexpected arguments"),
 ])
@@ -100,12 +102,11 @@ def test_help_lists_the_commands_flags():
 def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   """One wrong element anywhere makes the whole run exit non-zero (after finishing the sweep)."""
   from microbench.bench import collectives, run as bench_run, sweep
-  from microbench.bench.known_inputs import values
 
   coll = collectives.get("ppermute")  # pretend it should have come from two ranks back
   monkeypatch.setattr(type(coll), "expected",
-                      lambda self, group, rank, in_count, a, b: values(group[(rank - 2) % len(group)], a, b))
-  cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 2, 0, 2, True)
+                      lambda self, inputs, rank, in_count, a, b: inputs.rank((rank - 2) % inputs.n, a, b))
+  cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 4, 0, 2, True)
   code = bench_run.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
                                  flag_values={"distributed": False})
   assert code == 1
@@ -118,7 +119,7 @@ def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
 def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=8K",
-          "--iters=2", "--samples=2"]
+          "--iters=4", "--samples=2"]
   r = run_cli([*args, f"--outdir={out}", "--inject_crash=0:5"])
   assert r.returncode != 0
   before = _records(out)
@@ -143,7 +144,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
 
   out = tmp_path / "run"
   proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
-                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=2", "--samples=2", f"--outdir={out}"],
+                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=4", "--samples=2", f"--outdir={out}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline:  # wait for some points to finish

@@ -55,11 +55,11 @@ def _constants(m: int) -> tuple[np.ndarray, ...]:
   return tuple((x & mask).astype(np.int64) | odd for x, odd in ((a, 1), (b, 0), (c, 1), (d, 0)))
 
 
-def _hash_period(m: int, group_index: int, rank: int) -> np.ndarray:
-  """w in [0, m) for one period of one rank (the bijective part described in the module docstring)."""
-  a, b, c, d = _constants(m)
-  lo, hi = rank % m, (rank // m) % m
-  u = np.where(np.arange(PERIOD) % 2 == 0, lo, (hi + c * lo) % m)
+def _hash(m: int, group_index: int, ranks: np.ndarray, j: np.ndarray) -> np.ndarray:
+  """w in [0, m) of ranks [R, 1] at period indices j [J] (the bijective part of the module docstring)."""
+  a, b, c, d = (k[j] for k in _constants(m))
+  lo, hi = ranks % m, (ranks // m) % m
+  u = np.where(j % 2 == 0, lo, (hi + c * lo) % m)
   return (a * u + b + d * (group_index % m)) % m
 
 
@@ -67,7 +67,8 @@ class GroupInputs:
   """The known inputs of one group (`n` ranks, index `group_index` among its scope's groups) in `dtype`.
 
   `rank(r, start, stop)` gives elements [start, stop) of rank r's input, `total(start, stop)` the exact sum
-  over the group's ranks, both as int64 (exact in the dtype by construction).
+  over the group's ranks, both as int64 (exact in the dtype by construction). Short ranges are computed
+  directly; long ones tile one cached period.
   """
 
   def __init__(self, kind: str, dtype: str, n: int, group_index: int = 0):
@@ -84,39 +85,55 @@ class GroupInputs:
       return ALPHABET[self.dtype] // 2
     return max(1, EXACT[self.dtype] // self.n)
 
-  def _period(self, r: int) -> np.ndarray:
-    if r not in self._periods:
-      if len(self._periods) > 64:  # big groups: keep host memory bounded
-        self._periods.clear()
-      self._periods[r] = self._compute(r)
-    return self._periods[r]
-
-  def _compute(self, r: int) -> np.ndarray:
+  def values(self, ranks: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """[len(ranks), len(j)] values of the given ranks at period indices j."""
+    ranks = np.asarray(ranks, np.int64).reshape(-1, 1)
+    j = np.asarray(j, np.int64)
     if self.kind == "data":
       m = ALPHABET[self.dtype]
-      return _hash_period(m, self.group_index, r) - m // 2
-    w = _hash_period(ALPHABET["float32"], self.group_index, r)
+      return _hash(m, self.group_index, ranks, j) - m // 2
+    w = _hash(ALPHABET["float32"], self.group_index, ranks, j)
     sign = np.where(w & 1, 1, -1)
     limit = EXACT[self.dtype] // self.n
     if limit >= 1:
       return sign * (1 + (w >> 1) % limit)
     stride = -(-self.n // EXACT[self.dtype])  # m = ceil(n / E) ranks share each +-1 slot
-    return np.where((r + np.arange(PERIOD)) % stride == 0, sign, 0)
+    return np.where((ranks + j) % stride == 0, sign, 0)
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
-    return _tile(self._period(int(r)), start, stop)
+    if stop - start <= _DIRECT:
+      return self.values([r], np.arange(start, max(start, stop)) % PERIOD)[0]
+    if r not in self._periods:
+      if len(self._periods) >= 64:  # big groups: keep host memory bounded
+        self._periods.clear()
+      self._periods[r] = self.values([r], np.arange(PERIOD))[0]
+    return _tile(self._periods[r], start, stop)
 
   def total(self, start: int, stop: int) -> np.ndarray:
+    if stop - start <= _DIRECT and self._total is None:
+      return self._sum(np.arange(start, max(start, stop)) % PERIOD)
     if self._total is None:
-      acc = np.zeros(PERIOD, np.int64)
-      for r in range(self.n):
-        acc += self._compute(r)
-      self._total = acc
+      self._total = self._sum(np.arange(PERIOD))
     return _tile(self._total, start, stop)
+
+  def _sum(self, j: np.ndarray) -> np.ndarray:
+    acc = np.zeros(len(j), np.int64)
+    block = max(1, (1 << 22) // max(1, len(j)))  # ranks per step: host memory stays bounded
+    for r0 in range(0, self.n, block):
+      acc += self.values(np.arange(r0, min(self.n, r0 + block)), j).sum(axis=0)
+    return acc
+
+
+_DIRECT = 4096  # ranges up to this long are computed directly instead of from a cached period
+
+
+@functools.lru_cache(maxsize=32)
+def group_inputs(kind: str, dtype: str, n: int, group_index: int) -> GroupInputs:
+  """Shared across points: a period (and a group's sum) is computed once per run."""
+  return GroupInputs(kind, dtype, n, group_index)
 
 
 def _tile(period: np.ndarray, start: int, stop: int) -> np.ndarray:
   count = max(0, stop - start)
   s = start % PERIOD
   return np.resize(np.concatenate([period[s:], period[:s]]), count)
-

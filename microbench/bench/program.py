@@ -91,7 +91,7 @@ class Point:
     return self.check_prog.verified.wire_dtype
 
   def group_inputs(self) -> list[known_inputs.GroupInputs]:
-    return [known_inputs.GroupInputs(self.collective.inputs, self.dtype, self.n, gi)
+    return [known_inputs.group_inputs(self.collective.inputs, self.dtype, self.n, gi)
             for gi in range(self.scope.num_groups)]
 
 
