@@ -147,7 +147,8 @@ def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str, fl
 
 def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
                 verify: Callable[[str, hlo_check.Expectation], hlo_check.Verified] = hlo_check.verify) -> Point:
-  """Compiles the one-operation program and checks its HLO (raises hlo_check.HloMismatch)."""
+  """Compiles the one-operation program and checks its HLO (raises hlo_check.HloMismatch); `verify` is
+  replaceable for tests whose deliberately wrong collectives need their own HLO expectation."""
   n, platform = scope.group_size, platform_of(mesh)
   fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(AXES),
                      out_specs=jax.P(AXES), check_vma=False)
