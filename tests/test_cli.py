@@ -135,6 +135,35 @@ def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   assert meta["status"] == "finished" and len(meta["resumed_at"]) == 1
 
 
+def test_a_hang_in_a_single_process_is_recorded_and_ends_the_run(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=ppermute", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K", "--iters=4",
+               "--samples=2", "--hang_timeout=2", "--inject_hang=0:0", f"--outdir={out}"], timeout=60)
+  assert r.returncode == 3, r.stderr[-2000:]
+  recs = _records(out)
+  assert len(recs) == 1 and recs[0]["status"] == "failed"
+  assert recs[0]["reason"].startswith("watchdog: the timed runs of point 1/2 (ppermute over scale_up, float32, 1024 B)")
+  assert json.loads((out / "meta.json").read_text())["status"] == "failed"
+
+
+def test_sizes_rounding_to_one_count_make_one_point(tmp_path):
+  """On groups of 3, 4, 8 and 12 bytes all round to 3 float32 elements: one point, one TensorBoard step."""
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=all_gather", "--scopes=scale_up", "--topology=racks:1,nodes:1,gpus:3",
+               "--min_bytes=4", "--max_bytes=12", "--iters=4", "--samples=2", f"--outdir={out}"],
+              JAX_NUM_CPU_DEVICES="3")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "requested sizes 4, 8, 12 B all round to 3 elements (12 B) for groups of 3: measured once" in r.stdout
+  recs = _records(out)
+  assert len(recs) == 1 and recs[0]["requested_bytes"] == 4 and recs[0]["also_requested"] == [8, 12]
+  ea = EventAccumulator(str(out))
+  ea.Reload()
+  assert [e.step for e in ea.Scalars("busbw_gbps/all_gather/scale_up/float32")] == [12]
+  # A resumed run knows every requested size is done.
+  r = run_cli([f"--resume={out}"], JAX_NUM_CPU_DEVICES="3")
+  assert r.returncode == 0 and len(_records(out)) == 1
+
+
 def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
   import signal
   import subprocess

@@ -21,6 +21,7 @@ checked against what it must be:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -152,7 +153,9 @@ def _no_big_copies(hlo_text: str, limit: int, in_loops: dict) -> None:
       ins = parse.parse_instruction(line)
       if ins is None or ins.opcode not in ("copy", "copy-start"):
         continue
-      _, elements = parse.result_arrays(ins.type_text, ins.opcode == "copy-start")
+      # Scalars (loop counters, async contexts) are never the message.
+      shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
+      _, elements = parse.result_arrays(shaped, ins.opcode == "copy-start")
       if elements >= limit:
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} copies {elements} elements (a buffer of the message's size) on every "

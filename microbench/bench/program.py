@@ -249,7 +249,8 @@ def _run(prog: Compiled, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
 def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], warmup: int, samples: int,
                barrier: Callable[[], None], inject_delay_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
   """Seconds per call of each arm, `samples` of each, alternating (the order flips every pair so neither
-  arm always runs first). The carry flows from call to call, donated each time."""
+  arm always runs first). The carry flows from call to call, donated each time. `inject_delay_s` (fault
+  injection) is added per operation, so it survives the difference."""
   for _ in range(warmup):
     carry = _run(long, _run(short, carry))
   t_short, t_long = [], []
@@ -259,7 +260,7 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
       t0 = time.perf_counter()
       carry = _run(prog, carry)
       if inject_delay_s:
-        time.sleep(inject_delay_s)
+        time.sleep(inject_delay_s * prog.reps)
       (t_short if prog is short else t_long).append(time.perf_counter() - t0)
   del carry
   return np.asarray(t_short), np.asarray(t_long)
