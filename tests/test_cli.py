@@ -21,7 +21,7 @@ def _records(outdir):
 def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_reduce,all_to_all", "--scopes=all", "--min_bytes=1K", "--max_bytes=4K",
-               "--iters=4", "--samples=3", f"--outdir={out}"])
+               "--iters=6", "--samples=3", f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   assert "emulated as racks:1,nodes:2,gpus:4" in r.stdout  # the CPU default, said in the output
   assert "scope rack_scale skipped" in r.stdout
@@ -52,7 +52,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
   flagfile = tmp_path / "sweep.flags"
   flagfile.write_text("--collectives=reduce_scatter,broadcast\n--scopes=scale_out,rack_scale\n"
                       "--topology=racks:2,nodes:3,gpus:1\n--dtype=float32,bfloat16\n")
-  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=4", "--samples=2",
+  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=6", "--samples=2",
                f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   recs = _records(out)
@@ -71,7 +71,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--min_bytes=1M", "--max_bytes=1K"], "is larger than --max_bytes"),
     (["--max_bytes=12Q"], "bad size"),
     (["--iters=0"], "--iters=0 must be >= 1"),
-    (["--iters=3"], "--iters=3: use 1 (latency mode"),
+    (["--iters=4"], "--iters=4: use 1 (latency mode"),
     (["--max_bytes=64T"], "lower --max_bytes"),
     (["stray"], "unexpected arguments"),
 ])
@@ -119,7 +119,7 @@ def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
 def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=8K",
-          "--iters=4", "--samples=2"]
+          "--iters=6", "--samples=2"]
   r = run_cli([*args, f"--outdir={out}", "--inject_crash=0:5"])
   assert r.returncode != 0
   before = _records(out)
@@ -137,7 +137,7 @@ def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
 
 def test_a_hang_in_a_single_process_is_recorded_and_ends_the_run(tmp_path):
   out = tmp_path / "run"
-  r = run_cli(["--collectives=ppermute", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K", "--iters=4",
+  r = run_cli(["--collectives=ppermute", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K", "--iters=6",
                "--samples=2", "--hang_timeout=2", "--inject_hang=0:0", f"--outdir={out}"], timeout=60)
   assert r.returncode == 3, r.stderr[-2000:]
   recs = _records(out)
@@ -150,7 +150,7 @@ def test_sizes_rounding_to_one_count_make_one_point(tmp_path):
   """On groups of 3, 4, 8 and 12 bytes all round to 3 float32 elements: one point, one TensorBoard step."""
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_gather", "--scopes=scale_up", "--topology=racks:1,nodes:1,gpus:3",
-               "--min_bytes=4", "--max_bytes=12", "--iters=4", "--samples=2", f"--outdir={out}"],
+               "--min_bytes=4", "--max_bytes=12", "--iters=6", "--samples=2", f"--outdir={out}"],
               JAX_NUM_CPU_DEVICES="3")
   assert r.returncode == 0, r.stderr[-2000:]
   assert "requested sizes 4, 8, 12 B all round to 3 elements (12 B) for groups of 3: measured once" in r.stdout
@@ -173,7 +173,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
 
   out = tmp_path / "run"
   proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
-                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=4", "--samples=2", f"--outdir={out}"],
+                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=6", "--samples=2", f"--outdir={out}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline:  # wait for some points to finish

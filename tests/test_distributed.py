@@ -24,7 +24,7 @@ def _process_of_position(meta):
 def test_two_hosts_two_devices_each(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather,ppermute", "--scopes=scale_up,scale_out", "--min_bytes=1K",
-          "--max_bytes=2K", "--iters=4", "--samples=2", f"--outdir={out}"]
+          "--max_bytes=2K", "--iters=6", "--samples=2", f"--outdir={out}"]
   results = finish_job(start_job(args, 2, devices_per_process=2, hosts=["h0", "h1"]))
   for code, _, err in results:
     assert code == 0, err[-2000:]
@@ -45,7 +45,7 @@ def test_two_hosts_two_devices_each(tmp_path):
 def test_four_processes_on_two_interleaved_hosts(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=reduce_scatter,all_to_all", "--scopes=scale_up,scale_out,global", "--min_bytes=4K",
-          "--max_bytes=4K", "--iters=4", "--samples=2", f"--outdir={out}"]
+          "--max_bytes=4K", "--iters=6", "--samples=2", f"--outdir={out}"]
   results = finish_job(start_job(args, 4, hosts=["a", "b", "a", "b"]))
   for code, _, err in results:
     assert code == 0, err[-2000:]
@@ -60,7 +60,7 @@ def test_four_processes_on_two_interleaved_hosts(tmp_path):
 
 def test_a_slow_rank_is_flagged_as_straggler(tmp_path):
   out = tmp_path / "run"
-  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K", "--iters=4",
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K", "--iters=6",
           "--samples=3", "--inject_delay=1:20", f"--outdir={out}"]
   results = finish_job(start_job(args, 2, hosts=["h0", "h1"]))
   assert results[0][0] == 0, results[0][2][-2000:]
@@ -72,7 +72,7 @@ def test_a_slow_rank_is_flagged_as_straggler(tmp_path):
 
 def test_dead_rank_ends_the_job_and_resume_finishes_it(tmp_path):
   out = tmp_path / "run"
-  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=32K", "--iters=4",
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=32K", "--iters=6",
           "--samples=2", f"--outdir={out}"]
   t0 = time.monotonic()
   results = finish_job(start_job([*args, "--inject_crash=1:3"], 2, hosts=["h0", "h1"]), timeout=90)
@@ -93,7 +93,7 @@ def test_a_hung_rank_ends_the_job_and_the_point_is_recorded(tmp_path):
   leave it): the watchdog ends every process within its deadline, well before gloo's own timeout, with the
   point recorded as failed and named."""
   out = tmp_path / "run"
-  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=4K", "--iters=4",
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=4K", "--iters=6",
           "--samples=2", "--hang_timeout=5", "--inject_hang=1:1", f"--outdir={out}"]
   t0 = time.monotonic()
   results = finish_job(start_job(args, 2, hosts=["h0", "h1"]), timeout=120)

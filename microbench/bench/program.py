@@ -10,7 +10,7 @@
   the first freed, so no repetition copies the S buffer. The carry is donated and aliased to the output, so
   a call allocates no fresh S buffer either.
 - **Time by difference**: the short arm runs `SHORT_REPS` = 2 operations (one trip, which XLA inlines:
-  two operations back to back), the long arm k2 >= 4 (a loop of k2/2 trips). Samples alternate between the
+  two operations back to back), the long arm k2 >= 6 (a loop of k2/2 trips). Samples alternate between the
   arms; each pair gives (T(k2) - T(2)) / (k2 - 2) per operation, which cancels everything paid once per call
   (dispatch, launch, the first operation's wait for its peers, per-call buffers) instead of charging it to
   the operation.
@@ -35,7 +35,7 @@ from microbench.bench.collectives import Collective
 
 CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check stays small
 SHORT_REPS = 2         # operations in the short arm
-MIN_LONG_REPS = 4      # the long arm is always a real loop (>= 2 trips)
+MIN_LONG_REPS = 6      # the long arm: a real loop (>= 2 trips), and 4 operations more than the short one
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
 
@@ -171,9 +171,7 @@ def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   counts = carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype)
 
   def per_device(*carry):
-    def body(_, c):
-      return coll.step(coll.step(c, scope.axes, n, platform), scope.axes, n, platform)
-    return jax.lax.fori_loop(0, reps // 2, body, tuple(carry))  # Python bounds: a known trip count
+    return repeat(lambda c: coll.step(c, scope.axes, n, platform), reps, tuple(carry))
 
   specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts]
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in counts),
@@ -181,6 +179,12 @@ def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   compiled, text, secs = _compile(fn, specs, donate=True)
   verified = hlo_check.verify(text, _expectation(coll, scope, count, dtype, platform, reps, timed=True))
   return Compiled(compiled, text, secs, verified, reps)
+
+
+def repeat(step: Callable, reps: int, carry):
+  """`reps` (even) applications of `step`, two per trip of a `fori_loop` with Python bounds: XLA knows
+  the trip count, and the second step writes into the buffer the first one freed."""
+  return jax.lax.fori_loop(0, reps // 2, lambda _, c: step(step(c)), carry)
 
 
 def initial_carry(point: Point) -> tuple[jax.Array, ...]:

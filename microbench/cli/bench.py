@@ -30,7 +30,7 @@ flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}."
 flags.DEFINE_integer("iters", 20, "Operations in the long timed program (even; the short one runs 2, the"
                      " reported time is the difference per added operation); an upper bound when --sample_ms"
                      " is set. 1 = latency mode: every sample is one operation, dispatch included.")
-flags.DEFINE_float("sample_ms", 20.0, "Use fewer operations in the long program (down to 4) for operations that"
+flags.DEFINE_float("sample_ms", 20.0, "Use fewer operations in the long program (down to 6) for operations that"
                    " are already long, so one of its calls lasts about this long; 0 always uses --iters.")
 flags.DEFINE_integer("warmup", 1, "Untimed calls of each timed program per point.")
 flags.DEFINE_integer("samples", 10, "Timed pairs of calls (short, long) per point, or single operations with"
@@ -86,8 +86,8 @@ def config_from_flags() -> sweep.SweepConfig:
   for name in ("iters", "samples"):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")
-  if FLAGS.iters in (2, 3):
-    raise app.UsageError(f"--iters={FLAGS.iters}: use 1 (latency mode: one operation per sample) or >= 4 (the"
+  if 1 < FLAGS.iters < 6:
+    raise app.UsageError(f"--iters={FLAGS.iters}: use 1 (latency mode: one operation per sample) or >= 6 (the"
                          " long timed program; the short one runs 2)")
   if FLAGS.hang_timeout <= 0:
     raise app.UsageError(f"--hang_timeout={FLAGS.hang_timeout} must be > 0")
