@@ -259,6 +259,9 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
   for p in plans:
     if p.skip_reason:
       out.print(f"# scope {p.name} skipped: {p.skip_reason}")
+  if not active:
+    out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
+              " nothing, and XLA removes it); no point is recorded")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes]
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)
