@@ -4,7 +4,8 @@ One call, under 8 minutes on one GPU; writes a JSON report and prints a verdict 
 (a) the timed loop's compiled HLO has a `known_trip_count` (and a loop with a runtime bound has none);
 (b) the per-repetition cost of the in-graph loop on a tiny on-device op, from k=10 vs k=1000 repetitions:
     microseconds per repetition, which must not contain a host round trip; the same loop with a runtime
-    trip count (the old design) beside it shows what a host round trip costs;
+    trip count (the old design) beside it shows what a host round trip costs; and what entering the loop
+    adds once per call (k=10 vs the loop-free k=2 short arm), the one cost the difference does not cancel;
 (c) on one device every collective is degenerate: `microbench` says so and records no point;
 (d) the training MFU check (scripts/bench_gpu_mfu.py) if present, else reported as not available.
 
@@ -95,13 +96,16 @@ def check_b() -> dict:
   out = {}
   for static in (True, False):
     t = {}
-    for k in (10, 1000):
+    for k in (2, 10, 1000) if static else (10, 1000):
       compiled, k_arg = _loop_program(k, static)
       t[k] = _per_call(compiled, k_arg, FLAGS.samples)
     per_rep_us = (t[1000] - t[10]) / 990 * 1e6
-    out["known_trip_count" if static else "runtime_trip_count"] = {
-        "per_call_us_k10": t[10] * 1e6, "per_call_us_k1000": t[1000] * 1e6, "per_rep_us": per_rep_us,
-        "naive_per_rep_us_k10": t[10] / 10 * 1e6}
+    row = {"per_call_us_k10": t[10] * 1e6, "per_call_us_k1000": t[1000] * 1e6, "per_rep_us": per_rep_us,
+           "naive_per_rep_us_k10": t[10] / 10 * 1e6}
+    if static:  # k=2 is the short arm: two steps, no loop (XLA inlines one trip); what the loop adds once
+      row["per_call_us_k2"] = t[2] * 1e6
+      row["loop_entry_us"] = (t[10] - t[2]) * 1e6 - 8 * per_rep_us
+    out["known_trip_count" if static else "runtime_trip_count"] = row
   rep = out["known_trip_count"]["per_rep_us"]
   out["verdict"] = "pass" if rep < FLAGS.max_rep_us else "fail"
   out["threshold_us"] = FLAGS.max_rep_us
@@ -165,7 +169,8 @@ def main(argv: list[str]) -> int:
     if item == "b" and "known_trip_count" in report[item]:
       b = report[item]
       detail = (f": {b['known_trip_count']['per_rep_us']:.2f} us per repetition with a known trip count,"
-                f" {b['runtime_trip_count']['per_rep_us']:.2f} us with a runtime one")
+                f" {b['runtime_trip_count']['per_rep_us']:.2f} us with a runtime one; loop entry"
+                f" {b['known_trip_count']['loop_entry_us']:.1f} us once per call")
     elif item == "d" and report[item].get("best_mfu") is not None:
       detail = f": best MFU {100 * report[item]['best_mfu']:.1f}%"
     print(f"gpu_check ({item}) {names[item]}: {report[item]['verdict'].upper()}{detail}", flush=True)
