@@ -202,7 +202,9 @@ def part_d() -> dict:
       x = program.known_input_array(point)
       jax.block_until_ready(plain(x))
       op_s = program.call_time(point)
-      long_reps = int(min(200, max(8, 1.0 / op_s)))
+      # Long enough that per-call costs (at 64 MiB on CPU, fresh temporaries: ~0.25 s a call) fall below a few
+      # percent of the call: at least 40 operations, up to 200 or ~3 s.
+      long_reps = int(min(200, max(40, 3.0 / op_s)))
       long_reps -= long_reps % 2
       long = program.build_timed(coll, mesh, plan, count, "float32", long_reps)
       carry = program.initial_carry(point)

@@ -127,7 +127,7 @@ class AllGather(Collective):
   def step(self, carry, axes, n, platform):
     x, _ = carry
     y = self.op(x, axes, n, platform)
-    return (y[:x.shape[0]], y)  # group rank 0's shard: a fixed slice XLA can't fold into the gather
+    return (_depend(x, y), y)
 
   def reference(self, xs):
     return np.broadcast_to(xs.reshape(-1), (xs.shape[0], xs.size))
@@ -153,9 +153,13 @@ class ReduceScatter(Collective):
   def op(self, x, axes, n, platform):
     return lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
 
+  def carry(self, x, out_count):
+    return (x, jnp.zeros((out_count,), x.dtype))  # the scattered output stays live in the carry
+
   def step(self, carry, axes, n, platform):
-    (x,) = carry
-    return (lax.dynamic_update_slice(x, self.op(x, axes, n, platform), (0,)),)  # in place on the carry
+    x, _ = carry
+    y = self.op(x, axes, n, platform)
+    return (_depend(x, y), y)
 
   def reference(self, xs):
     n = xs.shape[0]
@@ -240,6 +244,14 @@ class PPermute(Collective):
 
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank((rank - 1) % inputs.n, start, stop)
+
+
+def _depend(x: jax.Array, y: jax.Array) -> jax.Array:
+  """The next repetition's input: `x` with its first element replaced by the output's first element, in
+  place. One element is enough to order the repetitions (the next one can't start before this one's output
+  exists, and no two inputs are the same); the output stays live in the carry, so nothing of it can be
+  dropped. A whole-shard feedback would add 1/n of the message of memory traffic to every repetition."""
+  return lax.dynamic_update_slice(x, y[:1], (0,))
 
 
 def _from_chunks(chunk: int, start: int, stop: int, source) -> np.ndarray:
