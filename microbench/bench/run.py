@@ -6,6 +6,7 @@ import datetime
 import importlib.util
 import os
 import signal
+import sys
 from typing import Any
 
 from absl import app
@@ -14,10 +15,12 @@ from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
 from microbench.cluster import distributed, environment, link_peaks, machine
+from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta
 
-# Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
+# Per device a point holds the known inputs, the check's output, then the loop carry and the body's
+# temporary (all-gather: its input shard too): about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4
 JOB_FAILED = 3  # exit status when another process of the job died
 
@@ -114,10 +117,24 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
   records: list[dict[str, Any]] = []
   status = "interrupted"
+
+  def on_hang(label: str, seconds: float, rec: dict[str, Any] | None) -> None:
+    where = sweep.describe_point(rec) if rec else "the sweep"
+    reason = (f"watchdog: the {label} of {where} did not finish within {seconds:.0f} s"
+              " (a hung collective or a lost peer)")
+    if rec:
+      out.record({**rec, "status": "failed", "reason": reason, "finished_at": _now()})
+    meta.update(status="failed", finished_at=_now(), points_this_run=len(records), reason=reason)
+    out.write_meta(meta)
+    out.print(f"\n# {reason}; every finished point is in results.jsonl; continue with --resume={outdir}")
+    out.close()
+    print(f"microbench: process {jax.process_index()}: {reason}", file=sys.stderr, flush=True)
+
+  watchdog = Watchdog(on_hang, exit_code=JOB_FAILED)
   # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
-    records = sweep.run_sweep(cfg, mesh, topology, plans, out, done)
+    sweep.run_sweep(cfg, mesh, topology, plans, out, done, watchdog, records)
     status = "finished"
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")

@@ -1,4 +1,5 @@
-"""Reading collective instructions out of compiled HLO text: opcode, result type, replica groups.
+"""Reading compiled HLO text: collective instructions (opcode, result type, replica groups), the
+computations they sit in, while loops with their trip counts, and how often each computation runs.
 
 Shared by the benchmark's HLO check (microbench.bench.hlo_check) and the training step's communication
 fingerprint (microbench.train.comm_fingerprint): both must see what XLA really compiled, not what the
@@ -24,6 +25,9 @@ class HloCollective:
   op: str
   groups: tuple[tuple[int, ...], ...]  # replica groups, or source->target pairs for collective-permute
   text: str
+  element_types: tuple[str, ...] = ()  # of the result (outputs only, for async -start forms)
+  elements: int = 0                    # result elements per device, summed over tuple parts
+  computation: str = ""                # the computation the instruction sits in
 
 
 def _parse_list_of_lists(text: str) -> tuple[tuple[int, ...], ...]:
@@ -85,6 +89,10 @@ def instructions(hlo_text: str) -> list[Instruction]:
 
 def find_collectives(hlo_text: str) -> list[HloCollective]:
   out = []
+  where = {}
+  for comp in computations(hlo_text).values():
+    for line in comp.lines:
+      where[line] = comp.name
   for ins in instructions(hlo_text):
     op, rest, line = ins.op, ins.rest, ins.line
     if op == "collective-permute":
@@ -101,8 +109,161 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
         groups = parse_iota_groups(gm.group(1))
       else:
         groups = _parse_list_of_lists(gm.group(1))
-    out.append(HloCollective(op, groups, line.strip()))
+    types, elements = result_arrays(ins.type_text, ins.async_start)
+    out.append(HloCollective(op, groups, line.strip(), tuple(types), elements, where.get(line, "")))
   return out
+
+
+_CONTEXT = ("u32", "s32")  # async -start tuples end with scalar context values
+
+
+def result_arrays(type_text: str, async_start: bool = False) -> tuple[list[str], int]:
+  """Element types and total element count of an instruction's result. An async `-start` returns
+  (operands, outputs[, contexts]): only the outputs count."""
+  arrays = [(dt, int(np.prod([int(d) for d in dims.split(",") if d] or [1])), dims)
+            for dt, dims in _ARRAY.findall(type_text)]
+  if async_start and type_text.lstrip().startswith("("):
+    while arrays and arrays[-1][0] in _CONTEXT and arrays[-1][2] == "":
+      arrays.pop()
+    if len(arrays) >= 2 and len(arrays) % 2 == 0:
+      arrays = arrays[len(arrays) // 2:]
+  return [a[0] for a in arrays], sum(a[1] for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+  name: str
+  lines: tuple[str, ...]
+  entry: bool
+
+
+_COMP_HEAD = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\))?\s*->\s*.*\{\s*$")
+
+
+def computations(hlo_text: str) -> dict[str, Computation]:
+  """Every computation of a module, by name, with its instruction lines."""
+  out: dict[str, Computation] = {}
+  current, entry, lines = None, False, []
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _COMP_HEAD.match(line)
+      if m:
+        current, entry, lines = m.group("name"), bool(m.group("entry")), []
+    elif line.strip() == "}":
+      out[current] = Computation(current, tuple(lines), entry)
+      current = None
+    else:
+      lines.append(line)
+  return out
+
+
+_INSTR_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
+                        r"(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_CALLEE = re.compile(r"\b(calls|body|condition|true_computation|false_computation|to_apply)=%?([\w.\-]+)")
+_CALLEES = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  """Any instruction line: name, opcode, result type text, the rest of the line."""
+  name: str
+  opcode: str
+  type_text: str
+  rest: str
+  line: str
+
+
+def parse_instruction(line: str) -> Instr | None:
+  m = _INSTR_ANY.match(line)
+  if not m:
+    return None
+  return Instr(m.group("name"), m.group("opcode"), m.group("type"), m.group("rest"), line)
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileLoop:
+  computation: str  # where the while instruction is
+  body: str
+  condition: str
+  trip_count: int | None  # XLA's known_trip_count, None when the loop has none
+  line: str
+
+
+def while_loops(hlo_text: str, comps: dict[str, Computation] | None = None) -> list[WhileLoop]:
+  comps = comps if comps is not None else computations(hlo_text)
+  out = []
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse_instruction(line)
+      if ins is None or ins.opcode != "while":
+        continue
+      called = dict(_CALLEE.findall(ins.rest))
+      trip = _TRIP.search(ins.rest)
+      out.append(WhileLoop(comp.name, called.get("body", ""), called.get("condition", ""),
+                           int(trip.group(1)) if trip else None, line.strip()))
+  return out
+
+
+def _callees(ins: Instr) -> list[tuple[str, str]]:
+  """(kind, computation) pairs this instruction runs; reductions' `to_apply` and async -done/-update
+  (which name the computation their -start already runs) are left out."""
+  if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
+    return []
+  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply"]
+  for k, names in _CALLEES.findall(ins.rest):
+    out += [(k, c.strip().lstrip("%")) for c in names.split(",") if c.strip()]
+  return out
+
+
+def execution_counts(hlo_text: str) -> dict[str, int | None]:
+  """How many times each computation runs per execution of the module, following while bodies (times the
+  loop's known trip count), fusions, calls and async computations from the entry. None: unknown (a while
+  without known trip count, or a conditional branch, on the way)."""
+  comps = computations(hlo_text)
+  counts: dict[str, int | None] = {}
+
+  def visit(name: str, times: int | None, depth: int = 0) -> None:
+    if name not in comps or depth > 64:
+      return
+    prev = counts.get(name, 0)
+    counts[name] = None if prev is None or times is None else prev + times
+    for line in comps[name].lines:
+      ins = parse_instruction(line)
+      if ins is None:
+        continue
+      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      for kind, callee in _callees(ins):
+        if kind == "condition":
+          continue
+        if kind == "body":
+          factor = int(trip.group(1)) if trip else None
+        elif kind in ("branch_computations", "true_computation", "false_computation"):
+          factor = None
+        else:
+          factor = 1
+        visit(callee, None if times is None or factor is None else times * factor, depth + 1)
+
+  for comp in comps.values():
+    if comp.entry:
+      visit(comp.name, 1)
+  return counts
+
+
+def reachable(hlo_text: str, root: str) -> set[str]:
+  """Computations run from `root` (itself included), reductions' `to_apply` left out."""
+  comps = computations(hlo_text)
+  seen, todo = set(), [root]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name].lines:
+      ins = parse_instruction(line)
+      if ins is not None:
+        todo += [c for _, c in _callees(ins)]
+  return seen
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,

@@ -54,6 +54,12 @@ def point_key(rec: dict[str, Any]) -> tuple:
   return (rec["collective"], rec["scope"], rec["dtype"], rec["requested_bytes"])
 
 
+def point_keys(rec: dict[str, Any]) -> list[tuple]:
+  """The requested points a record answers (several requested sizes may round to one count, measured once)."""
+  return [(rec["collective"], rec["scope"], rec["dtype"], b)
+          for b in [rec["requested_bytes"], *rec.get("also_requested", [])]]
+
+
 def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
   """One record per point, the last one written (a resumed run may re-measure skipped points)."""
   return list({point_key(r): r for r in records}.values())
