@@ -46,12 +46,15 @@ def test_layers_override_reduces_depth():
 def test_flop_formulas():
   spec = get_model("gpt2", "124m", seq_len=1024)
   n_matmul = 12 * 12 * 768 * 768 + 768 * 50304  # 12 layers x (4d^2 attention + 8d^2 MLP) + LM head
-  want = 1024 * (6 * n_matmul + 12 * 12 * 1024 * 768)
-  assert spec.step_flops(1) == pytest.approx(want)
+  full = 1024 * (6 * n_matmul + 12 * 12 * 1024 * 768)  # attention counted in full (PaLM)
+  causal = 1024 * (6 * n_matmul + 6 * 12 * 1024 * 768)  # causal attention counted half (MaxText, Megatron-LM)
+  assert spec.step_flops(1) == pytest.approx(causal)
+  assert spec.step_flops(1, causal_half=False) == pytest.approx(full)
   # torchvision's ResNet-50 is 4.09 GMACs per 224x224 image.
   assert flops.resnet_forward_flops(get_model("resnet", "50").config) / 2 == pytest.approx(4.09e9, rel=0.01)
   vit = get_model("vit", "h14")
   assert vit.seq_len == 257 and vit.step_flops(2) == pytest.approx(2 * vit.step_flops(1))
+  assert vit.step_flops(1) == vit.step_flops(1, causal_half=False)  # not causal: both conventions agree
 
 
 def test_model_flops_close_to_xla_count():
