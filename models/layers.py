@@ -79,11 +79,12 @@ def _gather_fwd(w, names, dtype):
 
 
 def _gather_bwd(names, dtype, _, ct):
-  # The gradient goes straight back to the weight's at-rest sharding: XLA reduces the partial sums over
-  # the batch shards and keeps only this device's slice (a reduce-scatter on GPU), instead of the
-  # all-reduce to the gathered layout that differentiating the sharding constraint would give.
+  # The gradient is summed over the batch shards in the use layout (every op that produces it, matmul or
+  # embedding scatter, does so locally and the partitioner adds one reduction), then only this device's
+  # FSDP slice is kept: all-reduce + dynamic-slice, which XLA's GPU pipeline turns into a reduce-scatter.
+  # The reduction runs in the compute dtype, like the gather; the float32 cast comes after it.
   del dtype
-  return (constrain(ct.astype(jnp.float32), names),)
+  return (constrain(constrain_for_use(ct, names).astype(jnp.float32), names),)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
