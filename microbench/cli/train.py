@@ -35,15 +35,16 @@ flags.DEFINE_float("clip_norm", 1.0, "Clip the gradients to this global norm bef
                    **_M)
 flags.DEFINE_integer("grad_accum", 1, "Microbatches per step: the global batch is split into this many,"
                      " gradients are accumulated (float32) inside the step.", **_M)
-flags.DEFINE_enum("remat", "dots_with_no_batch_dims_saveable", list(REMAT_POLICIES),
-                  "What each transformer block keeps for the backward pass; the rest is recomputed. none: keep"
-                  " everything; full: keep only the block's input; dots_saveable: every matmul output;"
-                  " dots_with_no_batch_dims_saveable: the projections' outputs (attention recomputed);"
-                  " save_qkv_attention: QKV and the attention output (MLP recomputed).", **_M)
+flags.DEFINE_string("remat", "dots_with_no_batch_dims_saveable",
+                    f"What each transformer block keeps for the backward pass, one of {', '.join(REMAT_POLICIES)}"
+                    " (the rest is recomputed). none: keep everything; full: keep only the block's input;"
+                    " dots_saveable: every matmul output; dots_with_no_batch_dims_saveable: the projections'"
+                    " outputs (attention recomputed); save_qkv_attention: QKV and the attention output (MLP"
+                    " recomputed).", **_M)
 flags.DEFINE_bool("scan_layers", True, "Run the transformer blocks under a scan (one block in the program,"
                   " compile time flat in depth); --noscan_layers unrolls them.", **_M)
-flags.DEFINE_enum("attention", "auto", ["auto", "xla", "cudnn"], "Attention kernel: auto (cuDNN's fused flash"
-                  " attention on NVIDIA GPUs where it applies, XLA elsewhere), xla, or cudnn.", **_M)
+flags.DEFINE_string("attention", "auto", "Attention kernel: auto (cuDNN's fused flash attention on NVIDIA GPUs"
+                    " where it applies, XLA elsewhere), xla, or cudnn.", **_M)
 flags.DEFINE_bool("compile_only", False, "Compile the step for the mesh and report memory per device, FLOPs"
                   " and the communication fingerprint without running it.", **_M)
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and the synthetic data.", **_M)
