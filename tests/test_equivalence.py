@@ -32,7 +32,9 @@ CASES = [
     ("llama3", "dp:8"),
     ("llama3", "fsdp:4,tp:2"),
     ("llama3", "dp:2,fsdp:2,tp:2"),
+    ("vit", "dp:8"),
     ("vit", "dp:2,fsdp:2,tp:2"),
+    ("resnet", "dp:8"),
     ("resnet", "dp:2,fsdp:4"),
 ]
 
