@@ -3,7 +3,8 @@ deep layer count, with the layers scanned and unrolled, alternating, several rou
 
 Target (issue 9): scanned layers compile in at most 1.5x the time at 24 layers as at 2. Each compile is
 `microbench-train --compile_only` in-process (the same path, XLA's default optimisation level); a new
-Trainer per compile, so nothing is reused between rounds.
+Trainer per compile, so nothing is reused between rounds; one throwaway compile first takes the process's
+one-time start-up costs.
 
   python scripts/bench_compile.py --model=gpt2 --size=124m --depths=2,24 --rounds=3
 """
@@ -34,6 +35,10 @@ def main(argv: list[str]) -> None:
   os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(parse_parallelism(FLAGS.parallelism).num_devices))
   from microbench import train  # pylint: disable=g-import-not-at-top
 
+  # A throwaway compile first: the first compile in a process pays one-time start-up costs (seconds).
+  train.run(train.TrainConfig(model=FLAGS.model, size=FLAGS.size, layers=1, batch=FLAGS.batch,
+                              seq_len=FLAGS.seq_len, parallelism=FLAGS.parallelism, compile_only=True,
+                              write=False, verbose=False))
   depths = [int(d) for d in FLAGS.depths]
   arms = [(d, scan) for scan in ((True, False) if FLAGS.unrolled else (True,)) for d in depths]
   times: dict[str, list[float]] = {f"{d}{'' if s else '_unrolled'}": [] for d, s in arms}
