@@ -11,7 +11,6 @@ leading `layers` dimension and run under `jax.lax.scan`, so compile time does no
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 
@@ -27,15 +26,19 @@ ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")
 ACT_BTKH = ("batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("batch", "act_seq", "act_mlp")
 
-# --remat: what a block keeps from its forward pass for the backward pass; the rest is recomputed.
+GATHERED = "gathered_weight"  # checkpoint name of every weight as gathered for use
+
+# --remat: what a block keeps from its forward pass for the backward pass; the rest is recomputed. No policy
+# keeps a gathered weight (ZeRO-3: the backward pass gathers it again).
 REMAT_POLICIES = {
-    "none": None,  # no rematerialisation: every intermediate the backward pass needs is kept
+    # no rematerialisation: every intermediate the backward pass needs is kept, except the gathered weights
+    "none": None,  # set below: `_everything_but_views`
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output (XLA attention's too)
     # keep the projections' outputs (matmuls without batch dimensions), recompute attention and
     # element-wise work (MaxText's "minimal")
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    # keep the QKV projections and the attention output (named below), recompute the MLP
+    # keep the QKV projections and the attention output (named in `Attention`), recompute the MLP
     "save_qkv_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
 }
 ATTENTION_IMPLS = ("xla", "cudnn")
@@ -67,43 +70,38 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
   return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *outs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather(w: jax.Array, names: tuple[str | None, ...], dtype) -> jax.Array:
-  # Pinning the cast shard first keeps the cast before the gather: otherwise sharding propagation hands
-  # the use layout back to the cast's float32 operand and the gather moves float32 bytes.
-  return constrain_for_use(constrain(w.astype(dtype), names), names)
-
-
-def _gather_fwd(w, names, dtype):
-  return _gather(w, names, dtype), None
-
-
-def _gather_bwd(names, dtype, _, ct):
-  # The gradient is summed over the batch shards in the use layout (every op that produces it, matmul or
-  # embedding scatter, does so locally and the partitioner adds one reduction), then only this device's
-  # FSDP slice is kept: all-reduce + dynamic-slice, which XLA's GPU pipeline turns into a reduce-scatter.
-  # The reduction runs in the compute dtype, like the gather; the float32 cast comes after it.
-  del dtype
-  return (constrain(constrain_for_use(ct, names).astype(jnp.float32), names),)
-
-
-_gather.defvjp(_gather_fwd, _gather_bwd)
-
-
 def weight(v: nnx.Variable, dtype) -> jax.Array:
   """A parameter as a layer uses it: cast to `dtype` on its shard, then gathered over FSDP (ZeRO-3).
 
-  The cast comes first, so the all-gather moves compute-dtype bytes. The gather sits in its own
-  `jax.checkpoint` that saves nothing, so the backward pass gathers the weight again instead of keeping the
-  full weight from the forward pass, whatever the block's remat policy. Inside a scan over a
-  `BlockStack` the stacked `layers` dimension is already sliced off, so only the trailing names apply.
+  The cast shard is pinned to the weight's at-rest sharding before the use layout is applied, so the cast
+  happens before the all-gather (otherwise sharding propagation hands the use layout back to the cast's
+  float32 operand and the gather moves float32 bytes). Differentiation transposes the two constraints in
+  reverse: the gradient is summed over the batch shards in the use layout (one reduction), then sliced to
+  this device's shard (all-reduce + dynamic-slice, which XLA's GPU pipeline, ReduceScatterCreator, makes a
+  reduce-scatter), then cast to float32 on the slice. The gathered weight is named `GATHERED`, which no remat
+  policy keeps, so a block's backward pass gathers its weights again. Inside a scan over a `BlockStack` the
+  stacked `layers` dimension is already sliced off, so only the trailing names apply.
   """
   names = tuple(v.get_metadata().get("out_sharding") or ())
   value = v[...]
   names = names[len(names) - value.ndim:] if names else (None,) * value.ndim
-  gather = jax.checkpoint(lambda w: _gather(w, names, dtype), policy=jax.checkpoint_policies.nothing_saveable)
-  return gather(value)
+  return checkpoint_name(constrain_for_use(constrain(value.astype(dtype), names), names), GATHERED)
 
+
+_VIEWS = frozenset({"sharding_constraint", "reshape", "transpose", "convert_element_type", "squeeze",
+                    "broadcast_in_dim", "name"})
+
+
+def _everything_but_views(prim, *_, **params) -> bool:
+  """`--remat=none`: keep every intermediate except views of other values (layout, shape and dtype changes,
+  names), whose inputs are kept instead: the same bytes (or fewer) for an activation, but for a gathered
+  weight only its at-rest shard, so the backward pass gathers it again (a policy that only refused the
+  `GATHERED` name would keep the weight's reshaped copy instead)."""
+  del params
+  return prim.name not in _VIEWS
+
+
+REMAT_POLICIES["none"] = _everything_but_views
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
@@ -265,10 +263,8 @@ class BlockStack(nnx.Module):
       return nnx.merge(graphdef, layer_state)(x), None
 
     ex = self.execution
-    policy = REMAT_POLICIES[ex.remat]
-    if ex.remat != "none":
-      # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
-      body = jax.checkpoint(body, policy=policy, prevent_cse=not ex.scan)
+    # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[ex.remat], prevent_cse=not ex.scan)
     if ex.scan:
       x_BTD, _ = jax.lax.scan(body, x_BTD, state)
     else:

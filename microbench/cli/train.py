@@ -37,7 +37,7 @@ flags.DEFINE_integer("grad_accum", 1, "Microbatches per step: the global batch i
                      " gradients are accumulated (float32) inside the step.", **_M)
 flags.DEFINE_string("remat", "dots_with_no_batch_dims_saveable",
                     f"What each transformer block keeps for the backward pass, one of {', '.join(REMAT_POLICIES)}"
-                    " (the rest is recomputed). none: keep everything; full: keep only the block's input;"
+                    " (the rest is recomputed). none: keep everything but the gathered weights; full: keep only the block's input;"
                     " dots_saveable: every matmul output; dots_with_no_batch_dims_saveable: the projections'"
                     " outputs (attention recomputed); save_qkv_attention: QKV and the attention output (MLP"
                     " recomputed).", **_M)
