@@ -37,10 +37,10 @@ flags.DEFINE_integer("grad_accum", 1, "Microbatches per step: the global batch i
                      " gradients are accumulated (float32) inside the step.", **_M)
 flags.DEFINE_string("remat", "dots_with_no_batch_dims_saveable",
                     f"What each transformer block keeps for the backward pass, one of {', '.join(REMAT_POLICIES)}"
-                    " (the rest is recomputed). none: keep everything but the gathered weights; full: keep only the block's input;"
-                    " dots_saveable: every matmul output; dots_with_no_batch_dims_saveable: the projections'"
-                    " outputs (attention recomputed); save_qkv_attention: QKV and the attention output (MLP"
-                    " recomputed).", **_M)
+                    " (the rest is recomputed). none: everything but the gathered weights; full: only the"
+                    " block's input; dots_saveable: every matmul output; dots_with_no_batch_dims_saveable: the"
+                    " projections' outputs (attention recomputed); save_qkv_attention: QKV and the attention"
+                    " output (MLP recomputed).", **_M)
 flags.DEFINE_bool("scan_layers", True, "Run the transformer blocks under a scan (one block in the program,"
                   " compile time flat in depth); --noscan_layers unrolls them.", **_M)
 flags.DEFINE_string("attention", "auto", "Attention kernel: auto (cuDNN's fused flash attention on NVIDIA GPUs"
