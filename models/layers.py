@@ -28,11 +28,24 @@ ACT_BTF = ("batch", "act_seq", "act_mlp")
 
 GATHERED = "gathered_weight"  # checkpoint name of every weight as gathered for use
 
+_VIEWS = frozenset({"sharding_constraint", "reshape", "transpose", "convert_element_type", "squeeze",
+                    "broadcast_in_dim", "name"})
+
+
+def _everything_but_views(prim, *_, **params) -> bool:
+  """`--remat=none`: keep every intermediate except views of other values (layout, shape and dtype changes,
+  names), whose inputs are kept instead: the same bytes (or fewer) for an activation, but for a gathered
+  weight only its at-rest shard, so the backward pass gathers it again (a policy that only refused the
+  `GATHERED` name would keep the weight's reshaped copy instead)."""
+  del params
+  return prim.name not in _VIEWS
+
+
 # --remat: what a block keeps from its forward pass for the backward pass; the rest is recomputed. No policy
 # keeps a gathered weight (ZeRO-3: the backward pass gathers it again).
 REMAT_POLICIES = {
     # no rematerialisation: every intermediate the backward pass needs is kept, except the gathered weights
-    "none": None,  # set below: `_everything_but_views`
+    "none": _everything_but_views,
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output (XLA attention's too)
     # keep the projections' outputs (matmuls without batch dimensions), recompute attention and
@@ -87,21 +100,6 @@ def weight(v: nnx.Variable, dtype) -> jax.Array:
   names = names[len(names) - value.ndim:] if names else (None,) * value.ndim
   return checkpoint_name(constrain_for_use(constrain(value.astype(dtype), names), names), GATHERED)
 
-
-_VIEWS = frozenset({"sharding_constraint", "reshape", "transpose", "convert_element_type", "squeeze",
-                    "broadcast_in_dim", "name"})
-
-
-def _everything_but_views(prim, *_, **params) -> bool:
-  """`--remat=none`: keep every intermediate except views of other values (layout, shape and dtype changes,
-  names), whose inputs are kept instead: the same bytes (or fewer) for an activation, but for a gathered
-  weight only its at-rest shard, so the backward pass gathers it again (a policy that only refused the
-  `GATHERED` name would keep the weight's reshaped copy instead)."""
-  del params
-  return prim.name not in _VIEWS
-
-
-REMAT_POLICIES["none"] = _everything_but_views
 
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
