@@ -1,8 +1,11 @@
 """Transformer building blocks shared by the decoder (GPT-2 / Llama-3 shapes) and ViT.
 
-Parameters are float32 and carry logical dimension names (`nnx.with_partitioning`); they are cast to
-the compute dtype where used. Activations are pinned with `constrain` at block boundaries so the
-sharding that the rules give holds whatever XLA would otherwise propagate.
+Parameters are float32 and carry logical dimension names (`nnx.with_partitioning`). Where a layer uses a
+weight it takes it through `weight`: cast to the compute dtype on the shard, then gathered over FSDP
+(ZeRO-3), so the gather moves compute-dtype bytes and the full weight lives only inside the layer.
+Activations are pinned with `constrain` at block boundaries so the sharding the rules give holds whatever
+XLA would otherwise propagate. The blocks of a model are one `BlockStack`: parameters stacked along a
+leading `layers` dimension and run under `jax.lax.scan`, so compile time does not grow with depth.
 """
 
 from __future__ import annotations
@@ -14,13 +17,58 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
-from meshes.parallelism import constrain
+from meshes.parallelism import constrain, constrain_for_use
 
 ACT_BTD = ("batch", "act_seq", "act_embed")
 ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")
 ACT_BTKH = ("batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("batch", "act_seq", "act_mlp")
+
+GATHERED = "gathered_weight"  # checkpoint name of every weight as gathered for use
+
+_VIEWS = frozenset({"sharding_constraint", "reshape", "transpose", "convert_element_type", "squeeze",
+                    "broadcast_in_dim", "name"})
+
+
+def _everything_but_views(prim, *_, **params) -> bool:
+  """`--remat=none`: keep every intermediate except views of other values (layout, shape and dtype changes,
+  names), whose inputs are kept instead: the same bytes (or fewer) for an activation, but for a gathered
+  weight only its at-rest shard, so the backward pass gathers it again (a policy that only refused the
+  `GATHERED` name would keep the weight's reshaped copy instead)."""
+  del params
+  return prim.name not in _VIEWS
+
+
+# --remat: what a block keeps from its forward pass for the backward pass; the rest is recomputed. No policy
+# keeps a gathered weight (ZeRO-3: the backward pass gathers it again).
+REMAT_POLICIES = {
+    # no rematerialisation: every intermediate the backward pass needs is kept, except the gathered weights
+    "none": _everything_but_views,
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep every matmul output (XLA attention's too)
+    # keep the projections' outputs (matmuls without batch dimensions), recompute attention and
+    # element-wise work (MaxText's "minimal")
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # keep the QKV projections and the attention output (named in `Attention`), recompute the MLP
+    "save_qkv_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
+}
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+  """How the layers run (not what they compute): rematerialisation, scan, attention kernel."""
+  remat: str = "dots_with_no_batch_dims_saveable"
+  scan: bool = True  # False: the same stacked parameters, layers unrolled in the program
+  attention: str = "xla"  # a concrete implementation; "auto" is resolved by the trainer
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention {self.attention!r}: choose one of {', '.join(ATTENTION_IMPLS)}")
 
 
 def project(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
@@ -33,6 +81,24 @@ def project(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
   lead, ins, outs = x.shape[:-in_dims], x.shape[x.ndim - in_dims:], w.shape[in_dims:]
   k = math.prod(ins)
   return (x.reshape(-1, k) @ w.reshape(k, -1)).reshape(*lead, *outs)
+
+
+def weight(v: nnx.Variable, dtype) -> jax.Array:
+  """A parameter as a layer uses it: cast to `dtype` on its shard, then gathered over FSDP (ZeRO-3).
+
+  The cast shard is pinned to the weight's at-rest sharding before the use layout is applied, so the cast
+  happens before the all-gather (otherwise sharding propagation hands the use layout back to the cast's
+  float32 operand and the gather moves float32 bytes). Differentiation transposes the two constraints in
+  reverse: the gradient is summed over the batch shards in the use layout (one reduction), then sliced to
+  this device's shard (all-reduce + dynamic-slice, which XLA's GPU pipeline, ReduceScatterCreator, makes a
+  reduce-scatter), then cast to float32 on the slice. The gathered weight is named `GATHERED`, which no remat
+  policy keeps, so a block's backward pass gathers its weights again. Inside a scan over a `BlockStack` the
+  stacked `layers` dimension is already sliced off, so only the trailing names apply.
+  """
+  names = tuple(v.get_metadata().get("out_sharding") or ())
+  value = v[...]
+  names = names[len(names) - value.ndim:] if names else (None,) * value.ndim
+  return checkpoint_name(constrain_for_use(constrain(value.astype(dtype), names), names), GATHERED)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +138,9 @@ class Norm(nnx.Module):
     x32 = x.astype(jnp.float32)
     if self.kind == "layernorm":
       x32 = x32 - x32.mean(-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+    y = x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + self.eps) * weight(self.scale, jnp.float32)
     if self.bias is not None:
-      y = y + self.bias[...]
+      y = y + weight(self.bias, jnp.float32)
     return y.astype(x.dtype)
 
 
@@ -92,9 +158,9 @@ def rotary(x_BTNH: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   """Multi-head / grouped-query attention; QKV split by heads (TP columns), output by rows."""
 
-  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, out_std: float):
+  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, out_std: float, impl: str = "xla"):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.cfg = cfg
+    self.cfg, self.impl = cfg, impl
     self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
     self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
     self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
@@ -108,19 +174,20 @@ class Attention(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, x_BTD.dtype
-    q = project(x_BTD, self.wq[...].astype(dt))
-    k = project(x_BTD, self.wk[...].astype(dt))
-    v = project(x_BTD, self.wv[...].astype(dt))
+    q = project(x_BTD, weight(self.wq, dt))
+    k = project(x_BTD, weight(self.wk, dt))
+    v = project(x_BTD, weight(self.wv, dt))
     if cfg.use_bias:
-      q, k, v = q + self.bq[...].astype(dt), k + self.bk[...].astype(dt), v + self.bv[...].astype(dt)
+      q, k, v = q + weight(self.bq, dt), k + weight(self.bk, dt), v + weight(self.bv, dt)
     if cfg.rope:
       q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
     q_BTNH, k_BTKH, v_BTKH = constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
-    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal)
-    o_BTNH = constrain(o_BTNH, ACT_BTNH)
-    out = project(o_BTNH, self.wo[...].astype(dt), in_dims=2)
+    q_BTNH, k_BTKH, v_BTKH = (checkpoint_name(a, "qkv") for a in (q_BTNH, k_BTKH, v_BTKH))
+    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal, implementation=self.impl)
+    o_BTNH = checkpoint_name(constrain(o_BTNH, ACT_BTNH), "attention")
+    out = project(o_BTNH, weight(self.wo, dt), in_dims=2)
     if cfg.use_bias:
-      out = out + self.bo[...].astype(dt)
+      out = out + weight(self.bo, dt)
     return out
 
 
@@ -139,30 +206,66 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     dt = x_BTD.dtype
-    h_BTF = project(x_BTD, self.w_up[...].astype(dt))
+    h_BTF = project(x_BTD, weight(self.w_up, dt))
     if self.cfg.use_bias:
-      h_BTF = h_BTF + self.b_up[...].astype(dt)
+      h_BTF = h_BTF + weight(self.b_up, dt)
     if self.w_gate is not None:
-      h_BTF = jax.nn.silu(project(x_BTD, self.w_gate[...].astype(dt))) * h_BTF
+      h_BTF = jax.nn.silu(project(x_BTD, weight(self.w_gate, dt))) * h_BTF
     else:
       h_BTF = jax.nn.gelu(h_BTF, approximate=True)
     h_BTF = constrain(h_BTF, ACT_BTF)
-    out = project(h_BTF, self.w_down[...].astype(dt))
+    out = project(h_BTF, weight(self.w_down, dt))
     if self.cfg.use_bias:
-      out = out + self.b_down[...].astype(dt)
+      out = out + weight(self.b_down, dt)
     return out
 
 
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, num_layers: int):
+  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, num_layers: int, attention: str = "xla"):
     out_std = 0.02 / (2 * num_layers) ** 0.5  # GPT-2's scaled init of the residual projections
     self.norm1 = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, rngs)
-    self.attn = Attention(cfg, rngs, out_std)
+    self.attn = Attention(cfg, rngs, out_std, attention)
     self.norm2 = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, rngs)
     self.mlp = Mlp(cfg, rngs, out_std)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
     x_BTD = constrain(x_BTD + self.attn(self.norm1(x_BTD)), ACT_BTD)
     return constrain(x_BTD + self.mlp(self.norm2(x_BTD)), ACT_BTD)
+
+
+class BlockStack(nnx.Module):
+  """`num_layers` blocks whose parameters are stacked along a leading `layers` dimension.
+
+  Run under `jax.lax.scan` (one block in the program whatever the depth: compile time and program size
+  stay flat) or, with `Execution(scan=False)`, unrolled over the same stacked parameters. Each block is
+  rematerialised with the `Execution.remat` policy. The leading dimension is named `layers` so the
+  logical-axis rules can place it (pipeline stages map `layers` to the `stage` axis).
+  """
+
+  def __init__(self, cfg: BlockConfig, num_layers: int, rngs: nnx.Rngs, execution: Execution = Execution()):
+    self.num_layers, self.execution = num_layers, execution
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r: nnx.Rngs) -> Block:
+      return Block(cfg, r, num_layers, execution.attention)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    graphdef, state = nnx.split(self.layers)
+
+    def body(x, layer_state):
+      return nnx.merge(graphdef, layer_state)(x), None
+
+    ex = self.execution
+    # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
+    body = jax.checkpoint(body, policy=REMAT_POLICIES[ex.remat], prevent_cse=not ex.scan)
+    if ex.scan:
+      x_BTD, _ = jax.lax.scan(body, x_BTD, state)
+    else:
+      for i in range(self.num_layers):
+        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], state))
+    return x_BTD

@@ -15,6 +15,7 @@ import optax
 from flax import nnx
 
 from models import data, flops, resnet, transformer, vit
+from models.layers import Execution
 
 
 class ModelError(ValueError):
@@ -28,15 +29,21 @@ class ModelSpec:
   config: Any
   kind: str  # "lm" or "image"
   seq_len: int  # tokens per example (LM) or patches+1 (ViT); 0 for ResNet
-  build: Callable[..., nnx.Module]  # (config, dtype=, rngs=) -> model
+  build: Callable[..., nnx.Module]  # (config, dtype=, rngs=[, execution=]) -> model
   flops_formula: str
 
   @property
   def item_name(self) -> str:
     return "tokens" if self.kind == "lm" else "images"
 
-  def make(self, dtype: jnp.dtype, seed: int) -> nnx.Module:
-    return self.build(self.config, dtype=dtype, rngs=nnx.Rngs(seed))
+  @property
+  def has_blocks(self) -> bool:
+    """Transformer blocks (stacked, scanned, rematerialised); ResNet has none."""
+    return self.family != "resnet"
+
+  def make(self, dtype: jnp.dtype, seed: int, execution: Execution | None = None) -> nnx.Module:
+    kw = {"execution": execution} if (execution is not None and self.has_blocks) else {}
+    return self.build(self.config, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
 
   def items_per_step(self, batch: int) -> int:
     return batch * self.seq_len if self.kind == "lm" else batch
@@ -61,9 +68,10 @@ class ModelSpec:
       logits, labels = model(batch["images"]), batch["labels"]
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
-  def step_flops(self, batch: int) -> float:
+  def step_flops(self, batch: int, causal_half: bool = True) -> float:
+    """Model FLOPs per step (the MFU numerator); causal attention counted half unless `causal_half=False`."""
     if self.family in transformer.SIZES:
-      return flops.decoder_step_flops(self.config, batch, self.seq_len)
+      return flops.decoder_step_flops(self.config, batch, self.seq_len, causal_half)
     if self.family == "vit":
       return flops.vit_step_flops(self.config, batch)
     return flops.resnet_step_flops(self.config, batch)

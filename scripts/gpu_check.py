@@ -135,7 +135,8 @@ def check_d() -> dict:
     path = os.path.join(tmp, "mfu.json")
     cmd = [sys.executable, script, f"--out={path}"] + (["--smoke", "--steps=3", "--warmup_steps=1"] if FLAGS.smoke else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=330, check=False)
-    rows = json.load(open(path)) if os.path.exists(path) else []
+    data = json.load(open(path)) if os.path.exists(path) else {}
+    rows = data.get("rows", []) if isinstance(data, dict) else data  # {"rows": [...], ...} per configuration
   ok_rows = [row for row in rows if row.get("status") == "ok"]
   best = max((row.get("mfu") or 0 for row in ok_rows), default=None)
   if FLAGS.smoke:

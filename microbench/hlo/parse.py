@@ -271,13 +271,18 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 
 
-def array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
+def array_parts(type_text: str) -> list[tuple[str, int]]:
+  """(element type, bytes) of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
   out = []
   for dt, dims in _ARRAY.findall(type_text):
     if dt in _BYTES:
-      out.append(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+      out.append((dt, _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))))
   return out
+
+
+def array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
+  return [b for _, b in array_parts(type_text)]
 
 
 def group_size(rest: str, num_devices: int) -> int:
@@ -295,3 +300,97 @@ def group_size(rest: str, num_devices: int) -> int:
     if names and all(n in sizes for n in names):
       return int(np.prod([sizes[n] for n in names]))
   return num_devices
+
+
+# ---------------------------------------------------------------------------------------------------------
+# How often each computation runs per execution of the module (loops).
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation|"
+                     r"branch_computations)=(?P<names>\{[^}]*\}|%?[\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """A while loop: its body computation and XLA's known trip count (None: not known at compile time)."""
+  body: str
+  trip_count: int | None
+  times: int  # how many times the loop itself runs per module execution (1 unless nested)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+  """An instruction line with its computation and how many times it runs per module execution."""
+  line: str
+  computation: str
+  runs: int
+  loop: str | None  # innermost while body it sits in (directly or through calls), None at top level
+
+
+def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
+  """Every instruction line with its run count per execution of the module, and the module's loops.
+
+  A while body runs `known_trip_count` times per run of its while (XLA's WhileLoopTripCountAnnotator);
+  a loop without a known count is taken once and reported with `trip_count=None`. Called computations
+  (fusions, async wrappers, reductions, conditional branches) run once per call. Text without computation
+  headers (a fragment) counts every line once.
+  """
+  comps: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():
+      m = _HEADER.match(line)
+      if m:
+        current = m.group("name")
+        comps[current] = []
+        if line.startswith("ENTRY"):
+          entry = current
+        continue
+      if line.startswith("}"):
+        current = None
+        continue
+    if current is not None:
+      comps[current].append(line)
+  if not comps:
+    return [Placed(line, "", 1, None) for line in hlo_text.splitlines()], []
+
+  callers: dict[str, list[tuple[str, int, bool]]] = {}  # callee -> [(caller, factor, is_loop_body)]
+  trips: dict[str, int | None] = {}
+  for name, lines in comps.items():
+    for line in lines:
+      for m in _CALLEE.finditer(line):
+        kind = m.group("kind")
+        if kind == "condition":
+          continue
+        targets = [t.strip().lstrip("%") for t in m.group("names").strip("{}").split(",") if t.strip()]
+        factor, is_body = 1, kind == "body"
+        if is_body:
+          t = _TRIP.search(line)
+          trips[targets[0]] = int(t.group(1)) if t else None
+          factor = int(t.group(1)) if t else 1
+        for target in targets:
+          callers.setdefault(target, []).append((name, factor, is_body))
+
+  runs: dict[str, int] = {}
+  loop_of: dict[str, str | None] = {}
+
+  def visit(name: str, stack: tuple[str, ...] = ()) -> int:
+    if name in runs:
+      return runs[name]
+    if name == entry or name not in callers or name in stack:
+      runs[name], loop_of[name] = (1 if name == entry else 0), None
+      return runs[name]
+    total, loop = 0, None
+    for caller, factor, is_body in callers[name]:
+      total += visit(caller, stack + (name,)) * factor
+      loop = loop or (name if is_body else loop_of.get(caller))
+    runs[name], loop_of[name] = total, loop
+    return total
+
+  placed = []
+  for name, lines in comps.items():
+    n = visit(name)
+    placed.extend(Placed(line, name, n, loop_of[name]) for line in lines)
+  loops = [Loop(body, trip, visit(body) // (trip or 1)) for body, trip in trips.items() if body in comps]
+  return placed, loops

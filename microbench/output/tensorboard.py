@@ -73,14 +73,13 @@ class TensorBoardLog:
 
   def hparams_experiment(self, hparams: Mapping[str, str], metrics: Mapping[str, str],
                          lead: Sequence[str] = ()) -> None:
-    """The HParams tab's columns: hyperparameter names with their type ('number' or 'string') and metric
+    """The HParams tab's columns: hyperparameter names with their type ('number', 'bool' or 'string') and metric
     tags with display names. Every run writes the same experiment, so whichever TensorBoard reads agrees.
 
     TensorBoard lists hyperparameters marked as differing first (then by name) and shows only the first
     few: `lead` names the ones a comparison is about, so they are the columns a reader sees."""
-    infos = [api_pb2.HParamInfo(name=name, type=api_pb2.DATA_TYPE_FLOAT64 if kind == "number"
-                                else api_pb2.DATA_TYPE_STRING, differs=name in lead)
-             for name, kind in hparams.items()]
+    types = {"number": api_pb2.DATA_TYPE_FLOAT64, "bool": api_pb2.DATA_TYPE_BOOL, "string": api_pb2.DATA_TYPE_STRING}
+    infos = [api_pb2.HParamInfo(name=name, type=types[kind], differs=name in lead) for name, kind in hparams.items()]
     metric_infos = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name)
                     for tag, name in metrics.items()]
     data = plugin_data_pb2.HParamsPluginData(experiment=api_pb2.Experiment(hparam_infos=infos,

@@ -21,12 +21,14 @@ SUMMARY_STEP = 0
 # writes this same experiment (TensorBoard reads one of them), so it lists what any model may report.
 HPARAMS = {"model": "string", "size": "string", "layers": "number", "parallelism": "string",
            "placement": "string", "mesh": "string", "batch": "number", "seq_len": "number", "dtype": "string",
-           "devices": "number", "processes": "number", "topology": "string", "device_kind": "string"}
+           "devices": "number", "processes": "number", "topology": "string", "device_kind": "string",
+           "remat": "string", "grad_accum": "number", "attention_impl": "string", "scan_layers": "bool"}
 HPARAMS_LEAD = ("model", "size", "parallelism", "placement", "devices")  # the columns shown by default
 COMM_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 HPARAM_METRICS = {
     "summary/tokens_per_s_per_device": "tokens/s per device", "summary/images_per_s_per_device": "images/s per device",
-    "summary/tokens_per_s": "tokens/s", "summary/images_per_s": "images/s", "summary/mfu": "MFU",
+    "summary/tokens_per_s": "tokens/s", "summary/images_per_s": "images/s", "summary/mfu": "MFU (causal)",
+    "summary/mfu_full_attention": "MFU (full attention)",
     "summary/tflops_per_device": "TFLOP/s per device", "summary/median_step_time_s": "step time (s)",
     "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/compile_time_s": "compile time (s)",
     **{f"summary/comm_bytes/{op}": f"{op} bytes per step per device" for op in COMM_OPS},
