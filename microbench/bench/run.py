@@ -141,8 +141,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     return 130
   except sweep.JobFailed as e:
     status = "failed"
-    out.print(f"\n# a process of the job failed ({e}); every finished point is in results.jsonl;"
-              f" continue with --resume={outdir}")
+    meta["reason"] = str(e)
+    out.print(f"\n# {e}; every finished point is in results.jsonl; continue with --resume={outdir}")
     return JOB_FAILED
   finally:
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))

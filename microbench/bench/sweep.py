@@ -290,7 +290,11 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       if (rec["status"] == "skipped" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):
-        raise JobFailed(rec["reason"])  # not recorded: the point was never measured
+        # The job can't go on. The point is recorded as failed (a resume measures it again), named, so the
+        # outcome reads the same whether this process's watchdog or the lost peer ended the point first.
+        reason = f"a process of the job failed during {describe_point(rec)}: {rec['reason']}"
+        out.record({**rec, "status": "failed", "reason": reason})
+        raise JobFailed(reason)
       if rec["status"] == "ok":  # a call of the long arm / its operations, which includes per-call costs
         per_op = rec["call_us_long"] / rec["iters"] if "call_us_long" in rec else rec["time_us"]
         last = (per_op * 1e-6, rec["bytes"])

@@ -303,13 +303,8 @@ def group_size(rest: str, num_devices: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# How often each computation runs per execution of the module (loops).
-
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
-_CALLEE = re.compile(r"\b(?P<kind>body|condition|calls|to_apply|true_computation|false_computation|"
-                     r"branch_computations)=(?P<names>\{[^}]*\}|%?[\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
-
+# Instruction lines placed in their loops: the communication fingerprint's view, which takes a loop without a
+# known trip count (and a conditional branch) once and flags the loop, where `execution_counts` says None.
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
@@ -333,44 +328,29 @@ def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
 
   A while body runs `known_trip_count` times per run of its while (XLA's WhileLoopTripCountAnnotator);
   a loop without a known count is taken once and reported with `trip_count=None`. Called computations
-  (fusions, async wrappers, reductions, conditional branches) run once per call. Text without computation
+  (fusions, async wrappers, conditional branches) run once per call. Text without computation
   headers (a fragment) counts every line once.
   """
-  comps: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace():
-      m = _HEADER.match(line)
-      if m:
-        current = m.group("name")
-        comps[current] = []
-        if line.startswith("ENTRY"):
-          entry = current
-        continue
-      if line.startswith("}"):
-        current = None
-        continue
-    if current is not None:
-      comps[current].append(line)
+  comps = computations(hlo_text)
   if not comps:
     return [Placed(line, "", 1, None) for line in hlo_text.splitlines()], []
-
+  entry = next((c.name for c in comps.values() if c.entry), None)
   callers: dict[str, list[tuple[str, int, bool]]] = {}  # callee -> [(caller, factor, is_loop_body)]
   trips: dict[str, int | None] = {}
-  for name, lines in comps.items():
-    for line in lines:
-      for m in _CALLEE.finditer(line):
-        kind = m.group("kind")
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse_instruction(line)
+      if ins is None:
+        continue
+      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      for kind, callee in _callees(ins):
         if kind == "condition":
           continue
-        targets = [t.strip().lstrip("%") for t in m.group("names").strip("{}").split(",") if t.strip()]
         factor, is_body = 1, kind == "body"
         if is_body:
-          t = _TRIP.search(line)
-          trips[targets[0]] = int(t.group(1)) if t else None
-          factor = int(t.group(1)) if t else 1
-        for target in targets:
-          callers.setdefault(target, []).append((name, factor, is_body))
+          trips[callee] = int(trip.group(1)) if trip else None
+          factor = trips[callee] or 1
+        callers.setdefault(callee, []).append((comp.name, factor, is_body))
 
   runs: dict[str, int] = {}
   loop_of: dict[str, str | None] = {}
@@ -389,8 +369,8 @@ def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
     return total
 
   placed = []
-  for name, lines in comps.items():
+  for name, comp in comps.items():
     n = visit(name)
-    placed.extend(Placed(line, name, n, loop_of[name]) for line in lines)
+    placed.extend(Placed(line, name, n, loop_of[name]) for line in comp.lines)
   loops = [Loop(body, trip, visit(body) // (trip or 1)) for body, trip in trips.items() if body in comps]
   return placed, loops

@@ -66,7 +66,8 @@ class Communicators:
       in_count = c.elements
     else:
       coll = collectives.get(c.op)
-      body = lambda x: coll.op(x, ("g",), n)  # noqa: E731
+      platform = self._devices[c.group.ranks[0]].platform
+      body = lambda x: coll.op(x, ("g",), n, platform)  # noqa: E731
       in_count = coll.in_count(c.elements, n)
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=jax.P("g"), out_specs=jax.P("g"), check_vma=False))
     sharding = jax.sharding.NamedSharding(mesh, jax.P("g"))
