@@ -107,6 +107,35 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec_for(names, rules))
 
 
+# ZeRO-3: mesh axes over which a weight stays sharded at rest and is gathered only where it is used.
+GATHERED_AXES = ("fsdp",)
+
+
+def constrain_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Pins a weight to the layout it is used in: its rules' sharding minus `GATHERED_AXES` (the FSDP
+  all-gather happens here), tensor-parallel splits kept. A no-op outside a mesh, like `constrain`."""
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+
+  rules = spmd.get_logical_axis_rules()
+  if not rules or jax.sharding.get_abstract_mesh().empty:
+    return x
+  use = tuple((n, None if a is None else (tuple(m for m in a if m not in GATHERED_AXES) or None))
+              for n, a in rules)
+  return jax.lax.with_sharding_constraint(x, spec_for(names, use))
+
+
+def mesh_degree(names: Sequence[str]) -> int:
+  """How many ways the active mesh splits an array dimension with any of these logical names (1 outside
+  a mesh): e.g. `mesh_degree(("batch",))` is the number of batch shards."""
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+
+  rules, mesh = dict(spmd.get_logical_axis_rules() or ()), jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  axes = {a for n in names for a in (rules.get(n) or ())}
+  return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # --parallelism
 

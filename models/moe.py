@@ -27,9 +27,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from meshes import parallelism as par
-from models.layers import param
+from meshes.parallelism import constrain
+from models.layers import EXCHANGED, param
 
 EXPERT = "expert"
 STATS = ("moe_dropped", "moe_assignments", "moe_load_balance", "moe_z_loss")
@@ -85,8 +87,9 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
                                    axis_name=axis)
 
 
-def _padded(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
-  """Capacity-padded dispatch: [E, C, D] buffers, C slots per expert. Returns (y_kGD, keep_kG)."""
+def _padded(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: bool = True):
+  """Capacity-padded dispatch: [E, C, D] buffers, C slots per expert. Returns (y_kGD, keep_kG). `move=False`
+  (a timing arm) keeps each buffer where it is: the same work without the all-to-alls."""
   g, d = x_GD.shape
   k, e = idx_kG.shape[0], cfg.num_experts
   c = capacity(g, cfg)
@@ -101,11 +104,12 @@ def _padded(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
   buf_ECD = jnp.zeros((e, c, d), x_GD.dtype).at[idx_kG, slot_kG].set(x_kGD, mode="drop")
   ep = jax.lax.axis_size(ep_axis) if ep_axis else 1
   el = e // ep
-  buf = exchange(buf_ECD, ep_axis)  # [ep * E_l, C, D], sources outermost
+  # [ep * E_l, C, D], sources outermost
+  buf = checkpoint_name(exchange(buf_ECD, ep_axis if move else None), EXCHANGED)
   buf = buf.reshape(ep, el, c, d).swapaxes(0, 1).reshape(el, ep * c, d)
   out = experts_ffn(buf, w_up, w_gate, w_down)
   out = out.reshape(el, ep, c, d).swapaxes(0, 1).reshape(e, c, d)
-  out_ECD = exchange(out, ep_axis)
+  out_ECD = checkpoint_name(exchange(out, ep_axis if move else None), EXCHANGED)
   return out_ECD[idx_kG, jnp.minimum(slot_kG, c - 1)], keep_kG
 
 
@@ -113,7 +117,13 @@ def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
   return jnp.cumsum(a, axis=axis) - a
 
 
-def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
+def _local_rows(operand, output, *_):
+  """The timing arm's stand-in for a ragged exchange: rows copied in place, nothing sent."""
+  n = min(operand.shape[0], output.shape[0])
+  return output.at[:n].set(operand[:n])
+
+
+def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: bool = True):
   """Ragged dispatch: assignments sorted by expert, each owner sent exactly its rows.
 
   Every device learns the whole count matrix (an all-gather of E integers per device), so senders and
@@ -147,8 +157,9 @@ def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
 
   if ep_axis:
     # output_offsets: where each of this device's slices lands in its receiver's buffer.
-    recv = ragged_exchange(x_sorted, jnp.zeros((rows, d), x_GD.dtype), send_off[me], allowed[me], start[me],
-                           allowed[:, me], ep_axis)
+    send = ragged_exchange if move else _local_rows
+    recv = checkpoint_name(send(x_sorted, jnp.zeros((rows, d), x_GD.dtype), send_off[me], allowed[me], start[me],
+                                allowed[:, me], ep_axis), EXCHANGED)
   else:
     recv = jnp.zeros((rows, d), x_GD.dtype).at[:a].set(x_sorted[:rows]) if rows >= a else x_sorted[:rows]
 
@@ -170,8 +181,8 @@ def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
   out = jnp.zeros_like(out).at[perm].set(out)
 
   if ep_axis:
-    back = ragged_exchange(out, jnp.zeros((a, d), dt), start[:, me], allowed[:, me], send_off[:, me], allowed[me],
-                           ep_axis)
+    back = checkpoint_name(send(out, jnp.zeros((a, d), dt), start[:, me], allowed[:, me], send_off[:, me],
+                                allowed[me], ep_axis), EXCHANGED)
   else:
     back = jnp.zeros((a, d), dt).at[:min(a, rows)].set(out[:min(a, rows)])
   y_A = jnp.zeros_like(back).at[order].set(back)
@@ -179,7 +190,7 @@ def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down):
 
 
 def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axis: str | None,
-                   sum_axes: tuple[str, ...]):
+                   sum_axes: tuple[str, ...], move: bool = True):
   """One group: route, dispatch, run the experts, combine. Returns (y_GD, aux_loss, stats)."""
   f32 = jnp.float32
   g, _ = x_GD.shape
@@ -194,7 +205,7 @@ def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axi
 
   dispatch = dispatch_for(jax.default_backend(), cfg.dispatch)
   run = _ragged if dispatch == "ragged_all_to_all" else _padded
-  y_kGD, keep_kG = run(x_GD, idx_kG, cfg, ep_axis, w_up, w_gate, w_down)
+  y_kGD, keep_kG = run(x_GD, idx_kG, cfg, ep_axis, w_up, w_gate, w_down, move)
   y_GD = jnp.sum(y_kGD * (weights_Gk.T * keep_kG)[..., None].astype(y_kGD.dtype), axis=0)
 
   tokens = total(jnp.asarray(g, f32))
@@ -217,7 +228,7 @@ def group_axes() -> tuple[str, ...]:
   return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
-def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig):
+def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, move: bool = True):
   """[B, T, D] -> ([B, T, D], aux_loss, stats): routed per batch shard, experts over `expert`.
 
   Where the batch axes are already manual (inside a pipeline stage), the local tokens and local experts
@@ -232,7 +243,7 @@ def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig):
 
   def group(x, r, wu, wg, wd):
     bl = x.shape[0]
-    y, aux, stats = _route_and_run(x.reshape(bl * t, d), r, wu, wg, wd, cfg, ep_axis, axes)
+    y, aux, stats = _route_and_run(x.reshape(bl * t, d), r, wu, wg, wd, cfg, ep_axis, axes, move)
     return y.reshape(bl, t, d), aux, stats
 
   auto = tuple(a for a in axes if a not in mesh.manual_axes)
@@ -249,15 +260,22 @@ def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig):
 
 
 class MoeMlp(nnx.Module):
-  """Router [D, E] (float32 routing) and E SwiGLU experts, `experts` split over the `expert` axis."""
+  """Router [D, E] (float32 routing) and E SwiGLU experts, `experts` split over the `expert` axis.
 
-  def __init__(self, d_model: int, d_ff: int, cfg: MoeConfig, rngs: nnx.Rngs, out_std: float):
+  `exchange=False` builds the timing arm that skips the token exchange (values meaningless)."""
+
+  def __init__(self, d_model: int, d_ff: int, cfg: MoeConfig, rngs: nnx.Rngs, out_std: float,
+               exchange: bool = True):
     e = cfg.num_experts
-    self.cfg = cfg
+    self.cfg, self.move = cfg, exchange
     self.router = param(rngs, (d_model, e), ("embed", None))
     self.w_up = param(rngs, (e, d_model, d_ff), ("experts", "embed", "mlp"))
     self.w_gate = param(rngs, (e, d_model, d_ff), ("experts", "embed", "mlp"))
     self.w_down = param(rngs, (e, d_ff, d_model), ("experts", "mlp", "embed"), jax.nn.initializers.normal(out_std))
 
   def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    return moe_ffn(x_BTD, self.router[...], self.w_up[...], self.w_gate[...], self.w_down[...], self.cfg)
+    # Expert weights cast to the compute dtype on their shard (so an FSDP gather moves compute-dtype bytes);
+    # the router routes in float32.
+    cast = lambda v: constrain(v[...].astype(x_BTD.dtype), v.get_metadata()["out_sharding"][-3:])
+    return moe_ffn(x_BTD, self.router[...], cast(self.w_up), cast(self.w_gate), cast(self.w_down), self.cfg,
+                   self.move)

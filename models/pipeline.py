@@ -29,14 +29,17 @@ parameters and the input-activation gradient are replicated over `stage`, so bot
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from meshes import parallelism as par
 from models import pipeline_schedule as ps
+from models.layers import BlockStack, Stats, run_layers
 from models.pipeline_schedule import Schedule
 
 AXIS = "stage"
@@ -306,3 +309,53 @@ def check_layers(num_layers: int, stages: int, virtual: int = 1) -> None:
                            f" of {stages * virtual} (uneven splits are refused: every stage must take the same"
                            " time, or the slowest sets the pace)")
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A model's block stack through the pipeline
+
+
+def stages() -> int:
+  """The `stage` axis of the active mesh (1 outside a mesh): a model pipelines when it is > 1."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or AXIS not in mesh.axis_names else int(mesh.shape[AXIS])
+
+
+def values(state: nnx.State) -> nnx.State:
+  """A module's state as plain arrays (what crosses the pipeline's shard_map; `nnx.merge` takes it back)."""
+  return jax.tree.map(lambda v: v[...], state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+@functools.cache
+def schedule(kind: str, stages_: int, microbatches: int, virtual: int, bubble: bool = True) -> Schedule:
+  """The simulated schedule (cached: simulated once per shape); `bubble=False`: its no-bubble twin."""
+  sched = ps.make_schedule(kind, stages_, microbatches, virtual)
+  return sched if bubble else ps.no_bubble(sched)
+
+
+def stack_loss(stack: BlockStack, x_BTD: jax.Array, targets: Any, head_fn: HeadFn, head_params: Any
+               ) -> tuple[jax.Array, Stats]:
+  """A model's objective with its `BlockStack` split over `stage`: the stage-0 input `x_BTD` (embedded
+  outside) and `targets` are cut into the execution's microbatches, each chunk of layers runs with the
+  stack's own remat policy, `head_fn(head_params, y, targets)` gives each microbatch's loss on the last
+  stage. Layer parameters lead with `[V, L/V]` when the stack was built for V virtual stages."""
+  from flax.core import spmd  # pylint: disable=g-import-not-at-top
+
+  ex = stack.execution
+  m, v = ex.microbatches, ex.virtual_stages
+  sched = schedule(ex.schedule, stages(), m, v, ex.without != "bubble")
+  graphdef, state = nnx.split(stack.layers)
+  rules = spmd.get_logical_axis_rules() or par.RULES
+  specs = jax.tree.map(lambda var: par.spec_for(var.get_metadata()["out_sharding"], rules), state,
+                       is_leaf=lambda x: isinstance(x, nnx.Variable))
+  layer_params = values(state)
+  if v == 1:  # [L, ...] -> [1, L, ...]: the leading chunk dim the executor indexes
+    layer_params = stack_chunks(layer_params, 1)
+    specs = jax.tree.map(lambda spec: jax.P(None, *spec), specs, is_leaf=lambda x: isinstance(x, jax.P))
+
+  def stage_fn(p, x):
+    return run_layers(graphdef, p, x, ex)
+
+  micro = lambda t: jax.tree.map(lambda a: to_microbatches(a, m), t)
+  return pipeline_loss(stage_fn, head_fn, sched, layer_params, head_params, micro(x_BTD), micro(targets),
+                       layer_specs=specs)

@@ -11,10 +11,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from models import data, flops, mixtral, moe, resnet, transformer, vit
+from models.layers import Execution, cross_entropy
 
 
 class ModelError(ValueError):
@@ -28,15 +28,21 @@ class ModelSpec:
   config: Any
   kind: str  # "lm" or "image"
   seq_len: int  # tokens per example (LM) or patches+1 (ViT); 0 for ResNet
-  build: Callable[..., nnx.Module]  # (config, dtype=, rngs=) -> model
+  build: Callable[..., nnx.Module]  # (config, dtype=, rngs=[, execution=]) -> model
   flops_formula: str
 
   @property
   def item_name(self) -> str:
     return "tokens" if self.kind == "lm" else "images"
 
-  def make(self, dtype: jnp.dtype, seed: int) -> nnx.Module:
-    return self.build(self.config, dtype=dtype, rngs=nnx.Rngs(seed))
+  @property
+  def has_blocks(self) -> bool:
+    """Transformer blocks (stacked, scanned, rematerialised); ResNet has none."""
+    return self.family != "resnet"
+
+  def make(self, dtype: jnp.dtype, seed: int, execution: Execution | None = None) -> nnx.Module:
+    kw = {"execution": execution} if (execution is not None and self.has_blocks) else {}
+    return self.build(self.config, dtype=dtype, rngs=nnx.Rngs(seed), **kw)
 
   def items_per_step(self, batch: int) -> int:
     return batch * self.seq_len if self.kind == "lm" else batch
@@ -53,25 +59,23 @@ class ModelSpec:
       return data.lm_batch(key, batch, self.seq_len, c.vocab_size)
     return data.image_batch(key, batch, c.image_size, c.channels, c.num_classes)
 
-  def loss(self, model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy, computed in float32 whatever the compute dtype."""
+  def loss(self, model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(objective, stats): mean cross-entropy in float32 whatever the compute dtype, plus a mixture of
+    experts' auxiliary losses (its router statistics as stats); pipelined when the mesh has stages."""
     if self.kind == "lm":
-      logits, labels = model(batch["inputs"]), batch["targets"]
-    else:
-      logits, labels = model(batch["images"]), batch["labels"]
-    aux = None
-    if isinstance(logits, tuple):  # MoE: (logits, {"aux_loss", router stats})
-      logits, aux = logits
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
-    return loss if aux is None else loss + aux["aux_loss"]
+      return model.loss(batch["inputs"], batch["targets"])
+    if self.has_blocks:
+      return model.loss(batch["images"], batch["labels"])
+    return cross_entropy(model(batch["images"]), batch["labels"]), {}
 
-  def step_flops(self, batch: int) -> float:
+  def step_flops(self, batch: int, causal_half: bool = True) -> float:
+    """Model FLOPs per step (the MFU numerator); causal attention counted half unless `causal_half=False`."""
     if self.family in transformer.SIZES:
-      return flops.decoder_step_flops(self.config, batch, self.seq_len)
+      return flops.decoder_step_flops(self.config, batch, self.seq_len, causal_half)
     if self.family == "vit":
       return flops.vit_step_flops(self.config, batch)
     if self.family == "mixtral":
-      return flops.moe_step_flops(self.config, batch, self.seq_len)
+      return flops.moe_step_flops(self.config, batch, self.seq_len, causal_half)
     return flops.resnet_step_flops(self.config, batch)
 
   def tp_dims(self) -> dict[str, int]:

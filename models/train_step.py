@@ -2,7 +2,8 @@
 
 Parameters are created inside `jit` with the rules' shardings as outputs, so a model too big for one
 device is never materialised whole. The optimizer state takes its parameter's sharding (FSDP shards
-it with the weights). The step donates the state so updates happen in place.
+it with the weights). The step donates the state so updates happen in place. With `grad_accum > 1` the
+step scans over microbatches, accumulating float32 gradients in the parameters' (sharded) layout.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from meshes.parallelism import RULES, LogicalRules, spec_for
+from models.layers import Execution
 from models.registry import ModelSpec
 
 
@@ -43,10 +45,12 @@ class Trainer:
   batch: int
   seed: int = 0
   rules: LogicalRules = RULES
+  execution: Execution = Execution()
+  grad_accum: int = 1  # microbatches per step
 
   def __post_init__(self):
     with nnx.use_eager_sharding(False):
-      abstract = nnx.eval_shape(lambda: self.spec.make(self.dtype, self.seed))
+      abstract = nnx.eval_shape(lambda: self.spec.make(self.dtype, self.seed, self.execution))
     self.graphdef, self.abstract_params, self.abstract_rest = nnx.split(abstract, nnx.Param, ...)
     self.param_shardings = state_shardings(self.abstract_params, self.mesh, self.rules)
     self.rest_shardings = state_shardings(self.abstract_rest, self.mesh, self.rules)
@@ -83,7 +87,7 @@ class Trainer:
     """(params, rest, opt_state), created sharded on the mesh."""
     def init():
       with nnx.use_eager_sharding(False):
-        model = self.spec.make(self.dtype, self.seed)
+        model = self.spec.make(self.dtype, self.seed, self.execution)
       _, params, rest = nnx.split(model, nnx.Param, ...)
       return params, rest, self.tx.init(params)
     with self.context():
@@ -98,27 +102,77 @@ class Trainer:
                  out_shardings=self.batch_shardings)
     return lambda step: fn(jnp.int32(step))
 
+  def _microbatches(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """[B, ...] -> [N, B/N, ...] where microbatch i takes every N-th example: each device keeps exactly
+    its own examples (its contiguous block of B splits into whole groups of N), so no data moves."""
+    n, names = self.grad_accum, self.spec.batch_spec()
+    out = {}
+    for k, a in batch.items():
+      a = jnp.moveaxis(a.reshape(a.shape[0] // n, n, *a.shape[1:]), 1, 0)
+      out[k] = jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec_for((None, *names[k]), self.rules)))
+    return out
+
+  def loss_and_grads(self, params, rest, batch):
+    """(mean loss, float32 gradients in the parameters' shardings, new rest, stats) over the whole batch;
+    stats (a mixture of experts' router counts) are summed over microbatches."""
+    graphdef, spec = self.graphdef, self.spec
+
+    def loss_fn(p, r, b):  # `r` passed in, not closed over: BatchNorm updates it inside this trace
+      model = nnx.merge(graphdef, p, r, copy=True)
+      loss, stats = spec.loss(model, b)
+      _, _, new_rest = nnx.split(model, nnx.Param, ...)
+      return loss, (new_rest, stats)
+
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    if self.grad_accum == 1:
+      (loss, (rest, stats)), grads = value_and_grad(params, rest, batch)
+      return loss, grads, rest, stats
+
+    def pin(tree):
+      return jax.tree.map(jax.lax.with_sharding_constraint, tree, self.param_shardings)
+
+    def body(carry, micro):
+      loss_sum, grad_sum, r = carry
+      (loss, (r, stats)), grads = value_and_grad(params, r, micro)
+      return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads)), r), stats
+
+    zeros = pin(jax.tree.map(jnp.zeros_like, params))
+    (loss_sum, grad_sum, rest), stats = jax.lax.scan(body, (jnp.float32(0), zeros, rest), self._microbatches(batch))
+    stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+    n = self.grad_accum  # equal microbatches: the mean of their means is the batch mean
+    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum), rest, stats
+
   def step_fn(self) -> Callable:
-    """(params, rest, opt_state, batch) -> (params, rest, opt_state, loss), jitted and donating."""
-    graphdef, spec, tx = self.graphdef, self.spec, self.tx
+    """(params, rest, opt_state, batch) -> (params, rest, opt_state, {loss, grad_norm, stats...}), jitted and
+    donating."""
+    tx = self.tx
 
     def step(params, rest, opt_state, batch):
-      def loss_fn(p, r):  # `r` passed in, not closed over: BatchNorm updates it inside this trace
-        model = nnx.merge(graphdef, p, r, copy=True)
-        loss = spec.loss(model, batch)
-        _, _, new_rest = nnx.split(model, nnx.Param, ...)
-        return loss, new_rest
-      (loss, new_rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest)
+      loss, grads, new_rest, stats = self.loss_and_grads(params, rest, batch)
+      grad_norm = optax.tree.norm(grads)  # before clipping, as MaxText and Megatron-LM log it
       updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_rest, opt_state, loss
+      return (optax.apply_updates(params, updates), new_rest, opt_state,
+              {"loss": loss, "grad_norm": grad_norm, **stats})
 
     return jax.jit(step, in_shardings=(*self.state_shardings, self.batch_shardings),
                    out_shardings=(*self.state_shardings, self._replicated), donate_argnums=(0, 1, 2))
 
+  def grads_fn(self) -> Callable:
+    """(params, rest, batch) -> (loss, gradients), jitted with the step's shardings (for equivalence tests
+    and the overhead timings: it donates nothing)."""
+    def grads(params, rest, batch):
+      loss, g, _, _ = self.loss_and_grads(params, rest, batch)
+      return loss, g
+
+    return jax.jit(grads, in_shardings=(self.param_shardings, self.rest_shardings, self.batch_shardings),
+                   out_shardings=(self._replicated, self.param_shardings))
+
+  def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return jax.eval_shape(lambda: self.spec.make_batch(jax.random.key(0), self.batch))
+
   def compile_step(self, compiler_options: dict[str, Any] | None = None):
     """The step lowered and compiled ahead of time (for compile time, memory and HLO)."""
-    abstract_batch = jax.eval_shape(lambda: self.spec.make_batch(jax.random.key(0), self.batch))
     with self.context():
       abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-      args = (self.abstract_params, self.abstract_rest, abstract_opt, abstract_batch)
+      args = (self.abstract_params, self.abstract_rest, abstract_opt, self.abstract_batch())
       return self.step_fn().lower(*args).compile(compiler_options=compiler_options)

@@ -13,7 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.parallelism import constrain
-from models.layers import ACT_BTD, Block, BlockConfig, Norm, param, project
+from models import pipeline
+from models.layers import (ACT_BTD, BlockConfig, BlockStack, Execution, Norm, Stats, cross_entropy, param, project,
+                          weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,28 +50,44 @@ SIZES: dict[str, ViTConfig] = {
 class ViT(nnx.Module):
   """images [B, H, W, C] -> class logits [B, classes]."""
 
-  def __init__(self, cfg: ViTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ViTConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs, execution: Execution = Execution()):
     d = cfg.block.d_model
     self.cfg, self.dtype = cfg, dtype
     self.patch_embed = param(rngs, (cfg.patch * cfg.patch * cfg.channels, d), ("patch", "embed"))
     self.patch_bias = param(rngs, (d,), ("embed",), jax.nn.initializers.zeros)
     self.cls = param(rngs, (1, 1, d), (None, None, "embed"), jax.nn.initializers.zeros)
     self.pos = param(rngs, (cfg.seq_len, d), ("pos", "embed"))
-    self.blocks = nnx.List([Block(cfg.block, rngs, cfg.num_layers) for _ in range(cfg.num_layers)])
+    self.blocks = BlockStack(cfg.block, cfg.num_layers, rngs, execution)
     self.norm = Norm(d, "layernorm", cfg.block.norm_eps, rngs)
     self.head = param(rngs, (d, cfg.num_classes), ("embed", "classes"), jax.nn.initializers.zeros)
     self.head_bias = param(rngs, (cfg.num_classes,), ("classes",), jax.nn.initializers.zeros)
 
-  def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+  def _embed(self, images_BHWC: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, self.dtype
     b, p, g = images_BHWC.shape[0], cfg.patch, cfg.image_size // cfg.patch
     x = images_BHWC.astype(dt).reshape(b, g, p, g, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
     patches_BNP = x.reshape(b, g * g, p * p * cfg.channels)
-    x_BND = project(patches_BNP, self.patch_embed[...].astype(dt)) + self.patch_bias[...].astype(dt)
-    cls = jnp.broadcast_to(self.cls[...].astype(dt), (b, 1, x_BND.shape[-1]))
-    x_BTD = jnp.concatenate([cls, x_BND], axis=1) + self.pos[...].astype(dt)
-    x_BTD = constrain(x_BTD, ACT_BTD)
-    for block in self.blocks:
-      x_BTD = block(x_BTD)
-    x_BD = self.norm(x_BTD)[:, 0]
-    return x_BD @ self.head[...].astype(dt) + self.head_bias[...].astype(dt)
+    x_BND = project(patches_BNP, weight(self.patch_embed, dt)) + weight(self.patch_bias, dt)
+    cls = jnp.broadcast_to(weight(self.cls, dt), (b, 1, x_BND.shape[-1]))
+    x_BTD = jnp.concatenate([cls, x_BND], axis=1) + weight(self.pos, dt)
+    return constrain(x_BTD, ACT_BTD)
+
+  def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+    dt = self.dtype
+    x_BD = self.norm(self.blocks(self._embed(images_BHWC)))[:, 0]
+    return x_BD @ weight(self.head, dt) + weight(self.head_bias, dt)
+
+  def loss(self, images_BHWC: jax.Array, labels_B: jax.Array) -> tuple[jax.Array, Stats]:
+    """(mean cross-entropy, {}), through the pipeline when the mesh has stages (patch embedding before it,
+    the final norm, class head and loss on its last stage)."""
+    if pipeline.stages() == 1:
+      return cross_entropy(self(images_BHWC), labels_B), {}
+    dt = self.dtype
+    norm_def, norm_state = nnx.split(self.norm)
+    head_params = {"norm": pipeline.values(norm_state), "w": self.head[...], "b": self.head_bias[...]}
+
+    def head_fn(hp, y_bTD, labels_b):
+      x_bD = nnx.merge(norm_def, hp["norm"])(y_bTD)[:, 0]
+      return cross_entropy(x_bD @ hp["w"].astype(dt) + hp["b"].astype(dt), labels_b)
+
+    return pipeline.stack_loss(self.blocks, self._embed(images_BHWC), labels_B, head_fn, head_params)

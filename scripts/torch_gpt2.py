@@ -1,11 +1,14 @@
 """A straightforward PyTorch GPT-2 training loop: the reference `scripts/bench_train.py` compares against.
 
 Same shape and hyper-parameters as `microbench-train --model=gpt2`: pre-norm blocks, GELU (tanh) MLP,
-learned positions, tied embeddings, vocabulary 50304, biases; AdamW(lr 3e-4, betas (0.9, 0.95),
-eps 1e-8, weight decay 0.1 on every parameter); float32; the same synthetic arithmetic-progression
-batches. Attention is `F.scaled_dot_product_attention(is_causal=True)`. Prints one JSON line.
+learned positions, tied embeddings, vocabulary 50304, biases; gradients clipped to global norm 1.0, then
+AdamW(lr 3e-4, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter); float32; the same synthetic arithmetic-progression
+batches. Attention is `F.scaled_dot_product_attention(is_causal=True)`. `--compile` wraps the model in `torch.compile`
+(TorchInductor: forward and backward compiled into fused C++ kernels; the first step pays the compile, so
+keep it in the warm-up). Prints one JSON line.
 
   python scripts/torch_gpt2.py --layers=2 --batch=8 --seq_len=256 --steps=10 --warmup_steps=3 --threads=2
+  python scripts/torch_gpt2.py --compile ...
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--warmup_steps", type=int, default=3)
   ap.add_argument("--threads", type=int, default=2)
+  ap.add_argument("--compile", action="store_true", help="torch.compile the model (TorchInductor)")
   args = ap.parse_args()
   torch.set_num_threads(args.threads)
   torch.manual_seed(0)
@@ -82,23 +86,25 @@ def main() -> None:
   layers = args.layers or layers
   model = GPT(d, layers, heads, vocab, context)
   opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+  forward = torch.compile(model) if args.compile else model
   gen = torch.Generator().manual_seed(1)
   times, losses = [], []
   for _ in range(args.steps):
     x, y = batch(gen, args.batch, args.seq_len, vocab)
     t0 = time.perf_counter()
-    loss = F.cross_entropy(model(x).view(-1, vocab), y.reshape(-1))
+    loss = F.cross_entropy(forward(x).view(-1, vocab), y.reshape(-1))
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     losses.append(loss.item())
     times.append(time.perf_counter() - t0)
   med = statistics.median(times[args.warmup_steps:])
   tokens = args.batch * args.seq_len
-  print(json.dumps({"impl": "pytorch", "torch_version": torch.__version__, "threads": torch.get_num_threads(),
+  print(json.dumps({"impl": "torch.compile" if args.compile else "pytorch", "torch_version": torch.__version__, "threads": torch.get_num_threads(),
                     "size": args.size, "layers": layers, "batch": args.batch, "seq_len": args.seq_len,
                     "params": sum(p.numel() for p in model.parameters()), "median_step_time_s": med,
-                    "tokens_per_s": tokens / med, "losses": losses}))
+                    "tokens_per_s": tokens / med, "step_times_s": times, "losses": losses}))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,17 @@ def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> 
   return err
 
 
+def pytest_addoption(parser):
+  parser.addoption("--update-golden", action="store_true", default=False,
+                   help="rewrite tests/golden/*.json from this run instead of comparing with them")
+
+
+@pytest.fixture(scope="session")
+def update_golden(request) -> bool:
+  """True when the golden files should be regenerated (`--update-golden` or MICROBENCH_UPDATE_GOLDEN=1)."""
+  return bool(request.config.getoption("--update-golden") or os.environ.get("MICROBENCH_UPDATE_GOLDEN"))
+
+
 @pytest.fixture(scope="session")
 def parsed_flags():
   """absl flags parsed with defaults, for in-process calls into code that reads FLAGS."""

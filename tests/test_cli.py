@@ -7,9 +7,11 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import run_cli
+from microbench.output.run_folder import size_step
 
-FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "samples",
-          "time_us", "time_us_min", "time_us_p99", "algbw_gbps", "busbw_gbps", "wrong", "status"}
+FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "short_iters",
+          "samples", "samples_us", "time_method", "time_us", "time_us_min", "time_us_max", "algbw_gbps",
+          "busbw_gbps", "wrong", "status", "wire_dtype", "trip_count", "call_us_short", "call_us_long"}
 
 
 def _records(outdir):
@@ -20,7 +22,8 @@ def _records(outdir):
 def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_reduce,all_to_all", "--scopes=all", "--min_bytes=1K", "--max_bytes=4K",
-               "--iters=3", "--samples=3", f"--outdir={out}"])
+               "--iters=6", "--samples=3", "--link_peaks=scale_up:100,scale_out:ndr", f"--outdir={out}"],
+              NCCL_ALGO="Ring", XLA_FLAGS="--xla_dump_hlo_pass_re=nothing")
   assert r.returncode == 0, r.stderr
   assert "emulated as racks:1,nodes:2,gpus:4" in r.stdout  # the CPU default, said in the output
   assert "scope rack_scale skipped" in r.stdout
@@ -37,12 +40,36 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 4}
   assert meta["mesh"]["shape"] == [1, 2, 4] and meta["status"] == "finished"
   assert meta["jax_version"] and meta["flags"]["collectives"] == ["all_reduce", "all_to_all"]
+  # The software stack, in meta.json and the header.
+  env = meta["environment"]
+  assert env["variables"]["NCCL_ALGO"] == "Ring" and env["variables"]["XLA_FLAGS"].startswith("--xla_dump")
+  assert env["packages"]["jax"] == meta["jax_version"] and env["gpu"] is None and env["hosts"]
+  assert env["toolkit"]["version"] and "NCCL_ALGO=Ring" in r.stdout and f"jax {meta['jax_version']}" in r.stdout
+  # Link peaks: per level in meta.json, and per record with busbw's share of the scope's bound.
+  assert meta["link_peaks"]["scale_up"]["gbps"] == 100 and meta["link_peaks"]["scale_out"]["link"] == "ndr"
+  from microbench.cluster import link_peaks
+  peaks = link_peaks.parse("scale_up:100,scale_out:ndr")
+  for rec in recs:
+    axes = meta["scopes"][rec["scope"]]["axes"]
+    bound = link_peaks.bus_peak(rec["collective"], axes, {"rack": 1, "node": 2, "gpu": 4}, peaks)
+    assert rec["peak_gbps"] == pytest.approx(bound)
+    assert rec["busbw_pct_of_peak"] == pytest.approx(100 * rec["busbw_gbps"] / bound)
+  # The same records as CSV, and an alpha-beta fit per series.
+  import csv
+  with open(out / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert [(r["collective"], r["scope"], int(r["bytes"])) for r in rows] == [
+      (r["collective"], r["scope"], r["bytes"]) for r in recs]
+  model = json.loads((out / "model.json").read_text())
+  assert len(model["fits"]) == 2 * 3 and all(f["points"] == 3 for f in model["fits"])
   ea = EventAccumulator(str(out))
   ea.Reload()
   tags = ea.Tags()["scalars"]
   assert "busbw_gbps/all_reduce/scale_up/float32" in tags and "time_us/all_to_all/global/float32" in tags
   steps = [e.step for e in ea.Scalars("busbw_gbps/all_reduce/scale_out/float32")]
-  assert steps == [1024, 2048, 4096]
+  assert steps == [100, 110, 120]  # 10 x log2(bytes)
+  assert "custom_scalars__config__" in ea.Tags()["tensors"] and "x_axis" in ea.Tags()["tensors"]
+  assert {"figures/all_reduce", "figures/all_to_all"} <= set(ea.Tags()["images"])  # the report's figures
   assert "config" in ea.Tags()["tensors"]
 
 
@@ -51,7 +78,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
   flagfile = tmp_path / "sweep.flags"
   flagfile.write_text("--collectives=reduce_scatter,broadcast\n--scopes=scale_out,rack_scale\n"
                       "--topology=racks:2,nodes:3,gpus:1\n--dtype=float32,bfloat16\n")
-  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=2", "--samples=2",
+  r = run_cli([f"--flagfile={flagfile}", "--min_bytes=4K", "--max_bytes=4K", "--iters=6", "--samples=2",
                f"--outdir={out}"])
   assert r.returncode == 0, r.stderr
   recs = _records(out)
@@ -70,7 +97,9 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--min_bytes=1M", "--max_bytes=1K"], "is larger than --max_bytes"),
     (["--max_bytes=12Q"], "bad size"),
     (["--iters=0"], "--iters=0 must be >= 1"),
+    (["--iters=4"], "--iters=4: use 1 (latency mode"),
     (["--max_bytes=64T"], "lower --max_bytes"),
+    (["--link_peaks=scale_out:fast"], "--link_peaks scale_out:fast: give GB/s"),
     (["stray"], "unexpected arguments"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
@@ -100,12 +129,11 @@ def test_help_lists_the_commands_flags():
 def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   """One wrong element anywhere makes the whole run exit non-zero (after finishing the sweep)."""
   from microbench.bench import collectives, run as bench_run, sweep
-  from microbench.bench.known_inputs import values
 
   coll = collectives.get("ppermute")  # pretend it should have come from two ranks back
   monkeypatch.setattr(type(coll), "expected",
-                      lambda self, group, rank, in_count, a, b: values(group[(rank - 2) % len(group)], a, b))
-  cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 2, 0, 2, True)
+                      lambda self, inputs, rank, in_count, a, b: inputs.rank((rank - 2) % inputs.n, a, b))
+  cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 4, 0, 2, True)
   code = bench_run.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
                                  flag_values={"distributed": False})
   assert code == 1
@@ -118,7 +146,7 @@ def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
 def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=8K",
-          "--iters=2", "--samples=2"]
+          "--iters=6", "--samples=2"]
   r = run_cli([*args, f"--outdir={out}", "--inject_crash=0:5"])
   assert r.returncode != 0
   before = _records(out)
@@ -134,6 +162,35 @@ def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   assert meta["status"] == "finished" and len(meta["resumed_at"]) == 1
 
 
+def test_a_hang_in_a_single_process_is_recorded_and_ends_the_run(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=ppermute", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K", "--iters=6",
+               "--samples=2", "--hang_timeout=2", "--inject_hang=0:0", f"--outdir={out}"], timeout=60)
+  assert r.returncode == 3, r.stderr[-2000:]
+  recs = _records(out)
+  assert len(recs) == 1 and recs[0]["status"] == "failed"
+  assert recs[0]["reason"].startswith("watchdog: the timed runs of point 1/2 (ppermute over scale_up, float32, 1024 B)")
+  assert json.loads((out / "meta.json").read_text())["status"] == "failed"
+
+
+def test_sizes_rounding_to_one_count_make_one_point(tmp_path):
+  """On groups of 3, 4, 8 and 12 bytes all round to 3 float32 elements: one point, one TensorBoard step."""
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=all_gather", "--scopes=scale_up", "--topology=racks:1,nodes:1,gpus:3",
+               "--min_bytes=4", "--max_bytes=12", "--iters=6", "--samples=2", f"--outdir={out}"],
+              JAX_NUM_CPU_DEVICES="3")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "requested sizes 4, 8, 12 B all round to 3 elements (12 B) for groups of 3: measured once" in r.stdout
+  recs = _records(out)
+  assert len(recs) == 1 and recs[0]["requested_bytes"] == 4 and recs[0]["also_requested"] == [8, 12]
+  ea = EventAccumulator(str(out))
+  ea.Reload()
+  assert [e.step for e in ea.Scalars("busbw_gbps/all_gather/scale_up/float32")] == [size_step(12)]
+  # A resumed run knows every requested size is done.
+  r = run_cli([f"--resume={out}"], JAX_NUM_CPU_DEVICES="3")
+  assert r.returncode == 0 and len(_records(out)) == 1
+
+
 def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
   import signal
   import subprocess
@@ -143,7 +200,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
 
   out = tmp_path / "run"
   proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
-                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=2", "--samples=2", f"--outdir={out}"],
+                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=6", "--samples=2", f"--outdir={out}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline:  # wait for some points to finish

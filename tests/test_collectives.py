@@ -1,12 +1,15 @@
 """Every collective over every scope, checked against NumPy and against its compiled HLO (8 CPU devices)."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from meshes.mesh import build_mesh, ordered_devices
 from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import Topology
+from meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program, sweep
 from microbench.bench.sizes import round_count
 
@@ -22,29 +25,49 @@ def mesh():
 PLANS = {p.name: p for p in plan_scopes(TOPOLOGY, SCOPES)}
 
 
-def _program(mesh, name, scope, dtype, nbytes=96 * 4):
-  coll = collectives.get(name)
-  plan = PLANS[scope]
+def _count(name, scope, dtype, nbytes=96 * 4):
   itemsize = np.dtype(program.DTYPES[dtype]).itemsize
-  count = round_count(nbytes, itemsize, coll.count_multiple(plan.group_size))
-  return program.build(coll, mesh, plan, count, dtype)
+  return round_count(nbytes, itemsize, collectives.get(name).count_multiple(PLANS[scope].group_size))
+
+
+def _point(mesh, name, scope, dtype, nbytes=96 * 4):
+  return program.build_check(collectives.get(name), mesh, PLANS[scope], _count(name, scope, dtype, nbytes), dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", collectives.NAMES)
 def test_collective_matches_numpy_and_hlo(mesh, name, scope, dtype):
-  prog = _program(mesh, name, scope, dtype)
-  assert prog.hlo_match.op == collectives.get(name).hlo_expect("cpu")
-  assert program.check(prog) == 0
-  times = program.time_runs(prog, iters=3, warmup=1, samples=2, barrier=lambda: None)
-  assert times.shape == (2,) and (times > 0).all()
+  point = _point(mesh, name, scope, dtype)
+  assert point.check_prog.verified.match.op == collectives.get(name).hlo_expect("cpu")
+  assert point.check_prog.verified.executions == 1
+  assert program.check(point) == 0
+  # XLA on CPU runs 16-bit collectives in float32: the record says so instead of passing it silently.
+  assert point.wire_dtype == "float32"
 
 
-@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("name", collectives.NAMES)
+def test_timed_programs_loop_on_the_device_without_copies(mesh, name):
+  """Both arms compile; the long one is a while loop with XLA's known trip count, every repetition inside
+  it, no copy of the message's size anywhere; the carry flows through alternating timed calls."""
+  plan, count = PLANS["rack_scale"], _count(name, "rack_scale", "float32")
+  coll = collectives.get(name)
+  point = program.build_check(coll, mesh, plan, count, "float32")
+  short = program.build_timed(coll, mesh, plan, count, "float32", program.SHORT_REPS)
+  long = program.build_timed(coll, mesh, plan, count, "float32", 10)
+  assert short.verified.executions == 2 and long.verified.executions == 10
+  assert set(long.verified.trip_counts) == {5}
+  assert '"known_trip_count":{"n":"5"}' in long.hlo_text
+  t_short, t_long = program.time_pairs(short, long, program.initial_carry(point), 1, 3, lambda: None)
+  assert t_short.shape == t_long.shape == (3,) and (t_short > 0).all() and (t_long > 0).all()
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_to_all", "all_gather"])
 @pytest.mark.parametrize("dtype", ["int32", "float16"])
 def test_other_dtypes(mesh, name, dtype):
-  assert program.check(_program(mesh, name, "rack_scale", dtype)) == 0
+  point = _point(mesh, name, "rack_scale", dtype)
+  assert program.check(point) == 0
+  assert point.wire_dtype == dtype
 
 
 def test_group_size_not_power_of_two():
@@ -53,58 +76,162 @@ def test_group_size_not_power_of_two():
   coll = collectives.get("reduce_scatter")
   count = round_count(1000, 4, coll.count_multiple(3))
   assert count % 3 == 0
-  assert program.check(program.build(coll, mesh3, plan, count, "float32")) == 0
+  assert program.check(program.build_check(coll, mesh3, plan, count, "float32")) == 0
 
 
 class _WrongReduce(collectives.AllReduce):
   """A deliberately wrong expectation: the check must count the mismatches."""
 
-  def expected(self, group, rank, in_count, start, stop):
-    return super().expected(group, rank, in_count, start, stop) + (np.arange(start, stop) % 5 == 0)
+  def expected(self, inputs, rank, in_count, start, stop):
+    return super().expected(inputs, rank, in_count, start, stop) + (np.arange(start, stop) % 5 == 0)
 
 
 def test_check_counts_wrong_elements(mesh):
-  plan = PLANS["scale_up"]
-  prog = program.build(_WrongReduce(), mesh, plan, 100, "float32")
+  point = program.build_check(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
   # 20 of every 100 elements differ, on all 8 devices.
-  assert program.check(prog) == 8 * 20
+  assert program.check(point) == 8 * 20
 
 
 def test_check_streams_through_buffers_longer_than_its_chunk(mesh, monkeypatch):
   monkeypatch.setattr(program, "CHECK_CHUNK", 7)
   for name in ("all_gather", "all_to_all", "reduce_scatter"):
-    coll = collectives.get(name)
-    prog = program.build(coll, mesh, PLANS["rack_scale"], 4 * 25, "float32")
-    assert program.check(prog) == 0, name
-  prog = program.build(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
-  assert program.check(prog) == 8 * 20
+    point = program.build_check(collectives.get(name), mesh, PLANS["rack_scale"], 4 * 25, "float32")
+    assert program.check(point) == 0, name
+  point = program.build_check(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
+  assert program.check(point) == 8 * 20
 
 
 def test_hlo_check_catches_a_collective_over_the_wrong_groups(mesh):
   class Misrouted(collectives.AllReduce):
-    def op(self, x, axes, n):
+    def op(self, x, axes, n, platform):
       return jax.lax.psum(x, "gpu")  # always scale-up, whatever the scope asks
 
-  with pytest.raises(hlo_check.HloMismatch):
-    program.build(Misrouted(), mesh, PLANS["scale_out"], 64, "float32")
+  with pytest.raises(hlo_check.HloMismatch, match="expected all-reduce over groups"):
+    program.build_check(Misrouted(), mesh, PLANS["scale_out"], 64, "float32")
+
+
+def test_hlo_check_catches_all_gather_in_the_wrong_rank_order(mesh):
+  """Same groups as sets, members in another order: the gathered chunks would be in the wrong places."""
+  class Reordered(collectives.AllGather):
+    def op(self, x, axes, n, platform):
+      return jax.lax.all_gather(x, tuple(reversed(axes)), tiled=True)
+
+  plan = PLANS["rack_scale"]  # axes (node, gpu): reversed, the group {0,1,2,3} is ordered 0,2,1,3
+  with pytest.raises(hlo_check.HloMismatch, match="in this order"):
+    program.build_check(Reordered(), mesh, plan, 64, "float32")
+  program.build_check(collectives.get("all_gather"), mesh, plan, 64, "float32")  # the real one passes
+
+
+def test_hlo_check_catches_the_wrong_element_count_and_type(mesh):
+  class HalfBuffer(collectives.AllReduce):
+    def op(self, x, axes, n, platform):
+      return jnp.concatenate([jax.lax.psum(x[: x.shape[0] // 2], axes), x[x.shape[0] // 2:]])
+
+  class Narrowed(collectives.AllReduce):
+    def op(self, x, axes, n, platform):
+      return jax.lax.psum(x.astype(jnp.float16), axes).astype(x.dtype)
+
+  with pytest.raises(hlo_check.HloMismatch, match="moves 32 elements per device, expected 64"):
+    program.build_check(HalfBuffer(), mesh, PLANS["scale_up"], 64, "float32")
+  with pytest.raises(hlo_check.HloMismatch, match="runs on f16 data, the benchmark asked for float32"):
+    program.build_check(Narrowed(), mesh, PLANS["scale_up"], 64, "float32")
+
+
+def _old_program_hlo(mesh, coll, plan, count, dtype):
+  """The design this project used before: the trip count a runtime argument, the carry (x, y) with the
+  output fed back, so the loop body copies the whole buffer."""
+  n, jdtype, axes = plan.group_size, program.DTYPES[dtype], plan.axes
+
+  def per_device(x, k):
+    def body(_, carry):
+      x, _y = carry
+      y = coll.op(x, axes, n, "cpu")
+      return y, y
+    return jax.lax.fori_loop(0, k, body, (x, jnp.zeros((count,), jdtype)))
+
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P()), out_specs=(jax.P(AXES), jax.P(AXES)),
+                     check_vma=False)
+  x_spec = jax.ShapeDtypeStruct((mesh.size * count,), jdtype, sharding=jax.NamedSharding(mesh, jax.P(AXES)))
+  k_spec = jax.ShapeDtypeStruct((), jnp.int32, sharding=jax.NamedSharding(mesh, jax.P()))
+  return jax.jit(fn, donate_argnums=0).lower(x_spec, k_spec).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["all_reduce", "ppermute", "all_to_all", "broadcast"])
+def test_hlo_check_fails_the_old_program(mesh, name):
+  """Fed the old design's HLO, the timed-program check fails on the runtime trip count; with the trip count
+  made static it still fails, on the copy of the message-sized buffer in the loop body."""
+  coll, plan = collectives.get(name), PLANS["scale_up"]
+  text = _old_program_hlo(mesh, coll, plan, 64, "float32")
+  exp = program._expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)  # pylint: disable=protected-access
+  with pytest.raises(hlo_check.HloMismatch, match="no known trip count"):
+    hlo_check.verify(text, exp)
+  static = "\n".join(line + ', backend_config={"known_trip_count":{"n":"10"}}' if " while(" in line else line
+                     for line in text.splitlines())
+  with pytest.raises(hlo_check.HloMismatch, match="loop body copies 64 elements"):
+    hlo_check.verify(static, exp)
+
+
+def test_hlo_check_counts_repetitions(mesh):
+  coll, plan = collectives.get("all_reduce"), PLANS["scale_up"]
+  long = program.build_timed(coll, mesh, plan, 64, "float32", 8)
+  exp = program._expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)  # pylint: disable=protected-access
+  with pytest.raises(hlo_check.HloMismatch, match="runs 8 times per call, expected 10"):
+    hlo_check.verify(long.hlo_text, exp)
 
 
 def test_run_point_records_a_runtime_failure_as_skipped(mesh, monkeypatch):
-  cfg = sweep.SweepConfig(("all_reduce",), ("scale_up",), ("float32",), 1024, 1024, 2, 2, 0, 2, True)
+  cfg = sweep.SweepConfig(("all_reduce",), ("scale_up",), ("float32",), 1024, 1024, 2, 4, 0, 2, True)
 
   def boom(*a, **k):
     raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate")
 
-  monkeypatch.setattr(program, "time_runs", boom)
+  monkeypatch.setattr(program, "time_pairs", boom)
   rec = sweep.run_point(cfg, mesh, PLANS["scale_up"], collectives.get("all_reduce"), "float32", 1024, lambda: None)
   assert rec["status"] == "skipped" and "RESOURCE_EXHAUSTED" in rec["reason"]
 
 
 def test_run_point_record(mesh):
-  cfg = sweep.SweepConfig(("all_gather",), ("scale_out",), ("float32",), 1000, 1000, 2, 4, 1, 3, True)
+  cfg = sweep.SweepConfig(("all_gather",), ("scale_out",), ("float32",), 1000, 1000, 2, 6, 1, 3, True)
   rec = sweep.run_point(cfg, mesh, PLANS["scale_out"], collectives.get("all_gather"), "float32", 1000, lambda: None)
   assert rec["status"] == "ok" and rec["wrong"] == 0
   assert rec["count"] % 4 == 0 and rec["bytes"] == rec["count"] * 4 <= 1000
-  assert rec["time_us_min"] <= rec["time_us"] <= rec["time_us_p99"]
+  assert rec["short_iters"] == 2 and rec["iters"] == 6 and rec["trip_count"] == 3
+  assert len(rec["samples_us"]) == 3
+  if rec["time_method"] == "difference":
+    assert rec["time_us"] == pytest.approx(float(np.median(rec["samples_us"])))
+  assert rec["time_us_min"] <= rec["time_us"] <= rec["time_us_max"]
+  assert "time_us_p99" not in rec  # not a per-operation tail outside latency mode
   assert rec["algbw_gbps"] == pytest.approx(rec["bytes"] / (rec["time_us"] * 1e-6) / 1e9)
   assert rec["busbw_gbps"] == pytest.approx(rec["algbw_gbps"] * 3 / 4)
+
+
+def test_latency_mode_times_single_operations(mesh):
+  cfg = dataclasses.replace(sweep.SweepConfig(("all_reduce",), ("scale_up",), ("float32",), 1024, 1024, 2, 1, 1, 25,
+                                              True))
+  assert cfg.latency_mode
+  rec = sweep.run_point(cfg, mesh, PLANS["scale_up"], collectives.get("all_reduce"), "float32", 1024, lambda: None)
+  assert rec["status"] == "ok" and rec["time_method"].startswith("latency") and rec["iters"] == 1
+  assert len(rec["samples_us"]) == 25
+  assert rec["time_us_p50"] <= rec["time_us_p90"] <= rec["time_us_p99"] <= rec["time_us_max"]
+  assert rec["time_us_p99"] == pytest.approx(float(np.percentile(rec["samples_us"], 99)))
+
+
+def test_difference_cancels_per_call_costs():
+  """A constant per-call cost in both arms disappears; the per-operation time is what remains."""
+  per_op, per_call = 7e-6, 90e-6
+  rng = np.random.default_rng(0)
+  t_short = per_call + 2 * per_op + rng.normal(0, 1e-7, (1, 9))
+  t_long = per_call + 20 * per_op + rng.normal(0, 1e-7, (1, 9))
+  stats = sweep.difference_stats(t_short, t_long, 2, 20)
+  assert stats["time_method"] == "difference"
+  assert stats["time_us"] == pytest.approx(7.0, rel=0.01)
+  assert stats["call_overhead_us"] == pytest.approx(90.0, rel=0.01)
+  # Noise larger than the operation: not resolved, and said so, with the long arm's average instead.
+  noisy = sweep.difference_stats(t_long, t_short, 2, 20)
+  assert noisy["time_method"].startswith("long-arm average") and noisy["time_us"] > 0
+
+
+def test_sizes_that_round_to_one_count_are_measured_once():
+  coll = collectives.get("all_gather")
+  counts = sweep.distinct_counts(coll, "float32", 3, [4, 8, 12, 16, 32])
+  assert counts == {3: [4, 8, 12, 16], 6: [32]}  # 16 B = 4 elements, rounded down to 3

@@ -5,6 +5,7 @@ import os
 import time
 
 from conftest import finish_job, start_job
+from microbench.output.run_folder import latest
 
 
 def _records(outdir):
@@ -24,7 +25,7 @@ def _process_of_position(meta):
 def test_two_hosts_two_devices_each(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather,ppermute", "--scopes=scale_up,scale_out", "--min_bytes=1K",
-          "--max_bytes=2K", "--iters=2", "--samples=2", f"--outdir={out}"]
+          "--max_bytes=2K", "--iters=6", "--samples=2", f"--outdir={out}"]
   results = finish_job(start_job(args, 2, devices_per_process=2, hosts=["h0", "h1"]))
   for code, _, err in results:
     assert code == 0, err[-2000:]
@@ -45,7 +46,7 @@ def test_two_hosts_two_devices_each(tmp_path):
 def test_four_processes_on_two_interleaved_hosts(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=reduce_scatter,all_to_all", "--scopes=scale_up,scale_out,global", "--min_bytes=4K",
-          "--max_bytes=4K", "--iters=2", "--samples=2", f"--outdir={out}"]
+          "--max_bytes=4K", "--iters=6", "--samples=2", f"--outdir={out}"]
   results = finish_job(start_job(args, 4, hosts=["a", "b", "a", "b"]))
   for code, _, err in results:
     assert code == 0, err[-2000:]
@@ -60,32 +61,59 @@ def test_four_processes_on_two_interleaved_hosts(tmp_path):
 
 def test_a_slow_rank_is_flagged_as_straggler(tmp_path):
   out = tmp_path / "run"
-  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K", "--iters=2",
-          "--samples=3", "--inject_delay=1:150", f"--outdir={out}"]
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K", "--iters=6",
+          "--samples=3", "--inject_delay=1:20", f"--outdir={out}"]
   results = finish_job(start_job(args, 2, hosts=["h0", "h1"]))
   assert results[0][0] == 0, results[0][2][-2000:]
   assert "STRAGGLER rank 1" in results[0][1]
   for r in _records(out):
     assert r["straggler"] and r["slowest_rank"] == 1 and r["time_spread"] > 0.1
-    assert r["time_us"] > 150e3 / 2  # the reported time is the slowest process's
+    assert r["time_us"] > 20e3 / 2  # 20 ms per operation on rank 1: the reported time is the slowest process's
 
 
 def test_dead_rank_ends_the_job_and_resume_finishes_it(tmp_path):
   out = tmp_path / "run"
-  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=32K", "--iters=2",
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=32K", "--iters=6",
           "--samples=2", f"--outdir={out}"]
   t0 = time.monotonic()
   results = finish_job(start_job([*args, "--inject_crash=1:3"], 2, hosts=["h0", "h1"]), timeout=90)
   assert time.monotonic() - t0 < 60
   assert all(code != 0 for code, _, _ in results)
   assert "a process of the job failed" in results[0][1]
-  recs = _records(out)  # every line valid JSON
-  assert len(recs) == 3 and all(r["status"] == "ok" for r in recs)
+  recs = _records(out)  # every line valid JSON; the point in progress when the peer died is named as failed
+  assert [r["status"] for r in recs] == ["ok"] * 3 + ["failed"]
+  assert "a process of the job failed during point 4/6" in recs[3]["reason"]
   assert _meta(out)["status"] == "failed"
   results = finish_job(start_job([f"--resume={out}"], 2, hosts=["h0", "h1"]))
   assert all(code == 0 for code, _, _ in results), results[0][2][-2000:]
-  recs = _records(out)
+  recs = latest(_records(out))
   assert sorted(r["bytes"] for r in recs) == [1024 << i for i in range(6)]
+  assert all(r["status"] == "ok" for r in recs)
+
+
+def test_a_hung_rank_ends_the_job_and_the_point_is_recorded(tmp_path):
+  """Rank 1 stops inside point 2's timed runs (a collective that never returns, as a lost NCCL peer would
+  leave it): the watchdog ends every process within its deadline, well before gloo's own timeout, with the
+  point recorded as failed and named."""
+  out = tmp_path / "run"
+  args = ["--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=4K", "--iters=6",
+          "--samples=2", "--hang_timeout=5", "--inject_hang=1:1", f"--outdir={out}"]
+  t0 = time.monotonic()
+  results = finish_job(start_job(args, 2, hosts=["h0", "h1"]), timeout=120)
+  assert time.monotonic() - t0 < 40  # gloo's collective timeout is 45 s: the watchdog ended it
+  # Rank 0 records and exits 3; rank 1 exits 3 by its own watchdog, or is aborted by JAX's coordination
+  # service (which lives in process 0) if rank 0 went first.
+  assert results[0][0] == 3 and results[1][0] != 0, [err[-1500:] for _, _, err in results]
+  # Both watchdogs expire at about the same time: rank 0's names the point itself, or rank 1's went first and
+  # rank 0 saw its peer vanish inside the same point. Either way the point is recorded as failed, named.
+  point = "point 2/3 (all_reduce over global, float32, 2048 B)"
+  assert (f"{point} did not finish within 5 s" in results[0][1]
+          or f"a process of the job failed during {point}" in results[0][1]), results[0][1][-1500:]
+  recs = _records(out)
+  assert [r["status"] for r in recs] == ["ok", "failed"]
+  assert recs[1]["point"] == 2 and point in recs[1]["reason"]
+  meta = _meta(out)
+  assert meta["status"] == "failed" and point in meta["reason"]
 
 
 def test_training_runs_as_a_distributed_job(tmp_path):

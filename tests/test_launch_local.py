@@ -137,7 +137,7 @@ def test_mpirun_example_on_localhost(tmp_path):
   env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
              PYTHONPATH=REPO, MICROBENCH_PORT=str(20000 + os.getpid() % 20000))
   r = subprocess.run([os.path.join(REPO, "scripts", "mpirun_example.sh"), str(hostfile), "2",
-                      "--collectives=all_reduce", "--min_bytes=64K", "--max_bytes=64K", "--iters=2", "--samples=2",
+                      "--collectives=all_reduce", "--min_bytes=64K", "--max_bytes=64K", "--iters=6", "--samples=2",
                       f"--outdir={tmp_path / 'run'}"],
                      capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False)
   assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])

@@ -2,8 +2,9 @@
 
 Layers, bottom to top: `meshes` (topologies, meshes, scopes, strategies as rules); `models` (Flax models,
 on meshes only); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
-hosts); `microbench.bench`, `.train` (the two measurements, independent of each other); `microbench.study`
-(built on both); `microbench.cli` (the commands) on top.
+hosts); `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the
+two measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
+commands) on top.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ LAYER = {
     "meshes": 0,
     "models": 1,
     "microbench.hlo": 2, "microbench.output": 2, "microbench.cluster": 2,
-    "microbench.bench": 3, "microbench.train": 3,
-    "microbench.study": 4,
-    "microbench.cli": 5, "microbench": 5,  # microbench/__init__ and __main__ (python -m microbench)
+    "microbench.report": 3,  # reads run folders; below the measurements so a run can leave its fit and figures
+    "microbench.bench": 4, "microbench.train": 4,
+    "microbench.study": 5,
+    "microbench.cli": 6, "microbench": 6,  # microbench/__init__ and __main__ (python -m microbench)
 }
 
 
@@ -145,7 +147,8 @@ def test_console_scripts_start_from_the_install():
 
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
     scripts = tomllib.load(f)["project"]["scripts"]
-  assert set(scripts) == {"microbench", "microbench-train", "microbench-launch", "microbench-testbed"}
+  assert set(scripts) == {"microbench", "microbench-train", "microbench-launch", "microbench-testbed",
+                          "microbench-report", "microbench-study"}
   for name, target in scripts.items():
     module, func = target.split(":")
     # Each command defines its own flags, so each is imported in its own process.

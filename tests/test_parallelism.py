@@ -99,17 +99,19 @@ def test_parameter_shardings_follow_rules(family):
   for path, v in flat:
     names = abstract[path].get_metadata()["out_sharding"]
     assert v[...].sharding.spec == par.spec_for(names), path
-  block = params["blocks"][0]
-  assert block["attn"]["wq"][...].sharding.spec == jax.P("fsdp", "tensor", None)
-  assert block["attn"]["wo"][...].sharding.spec == jax.P("tensor", None, "fsdp")
-  assert block["mlp"]["w_up"][...].sharding.spec == jax.P("fsdp", "tensor")  # column split
-  assert block["mlp"]["w_down"][...].sharding.spec == jax.P("tensor", "fsdp")  # row split
+  # Blocks are stacked along a leading `layers` dimension (mapped to the pipeline `stage` axis, size 1 here).
+  block = params["blocks"]["layers"]
+  assert block["attn"]["wq"][...].sharding.spec == jax.P("stage", "fsdp", "tensor", None)
+  assert block["attn"]["wo"][...].sharding.spec == jax.P("stage", "tensor", None, "fsdp")
+  assert block["mlp"]["w_up"][...].sharding.spec == jax.P("stage", "fsdp", "tensor")  # column split
+  assert block["mlp"]["w_down"][...].sharding.spec == jax.P("stage", "tensor", "fsdp")  # row split
   assert params["embed"][...].sharding.spec == jax.P("tensor", "fsdp")
   w_up = block["mlp"]["w_up"][...]
-  assert w_up.addressable_shards[0].data.shape == (w_up.shape[0] // 2, w_up.shape[1] // 2)
+  assert w_up.shape[0] == 2  # the tiny models' two layers
+  assert w_up.addressable_shards[0].data.shape == (2, w_up.shape[1] // 2, w_up.shape[2] // 2)
   # FSDP shards the optimizer state with its parameter.
-  mu_w_up = opt_state[0].mu["blocks"][0]["mlp"]["w_up"][...]
-  assert mu_w_up.sharding.spec == jax.P("fsdp", "tensor")
+  mu_w_up = opt_state[-1][0].mu["blocks"]["layers"]["mlp"]["w_up"][...]
+  assert mu_w_up.sharding.spec == jax.P("stage", "fsdp", "tensor")
   if family == "llama3":
     assert params["head"][...].sharding.spec == jax.P("fsdp", "tensor")
-    assert block["attn"]["wk"][...].sharding.spec == jax.P("fsdp", "tensor", None)
+    assert block["attn"]["wk"][...].sharding.spec == jax.P("stage", "fsdp", "tensor", None)

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from microbench.bench import collectives, hlo_check
+from microbench.bench import collectives, hlo_check, known_inputs, program
+from microbench.bench.known_inputs import GroupInputs
 from microbench.hlo import parse
 from microbench.bench.sizes import format_size, parse_size, round_count, sweep
 
@@ -55,23 +56,67 @@ def test_references_on_a_group_of_three():
 @pytest.mark.parametrize("name", collectives.NAMES)
 def test_streamed_expectation_equals_the_reference(name):
   """`expected` (any range of one rank's output, on the known inputs) agrees with the NumPy spec."""
-  from microbench.bench.known_inputs import block
   coll = collectives.get(name)
-  rng = np.random.default_rng(0)
   for n in (1, 2, 3, 5):
-    group = rng.permutation(40)[:n]
-    in_count = 6 * n * 7
-    ref = coll.reference(block(group, in_count))
-    for r in range(n):
-      for a, b in [(0, ref.shape[1]), (3, ref.shape[1] - 2), (17, 18), (5, 5)]:
-        np.testing.assert_array_equal(coll.expected(group, r, in_count, a, b), ref[r][a:b])
+    for dtype in ("float32", "bfloat16"):
+      inputs = GroupInputs(coll.inputs, dtype, n, group_index=2)
+      in_count = 6 * n * 7
+      ref = coll.reference(np.stack([inputs.rank(r, 0, in_count) for r in range(n)]))
+      for r in range(n):
+        for a, b in [(0, ref.shape[1]), (3, ref.shape[1] - 2), (17, 18), (5, 5)]:
+          np.testing.assert_array_equal(coll.expected(inputs, r, in_count, a, b), ref[r][a:b])
 
 
-def test_known_inputs_any_range():
-  from microbench.bench.known_inputs import values
-  for start, stop in [(0, 40), (5, 100), (3, 3), (16, 17), (100, 1000)]:
-    i = np.arange(start, stop)
-    np.testing.assert_array_equal(values(3, start, stop), ((7 * i + 131 * 3) % 17 - 8).astype(np.float32))
+def test_known_inputs_any_range_and_across_the_period():
+  inputs = GroupInputs("data", "float32", 4)
+  whole = inputs.rank(3, 0, known_inputs.PERIOD + 100)
+  for start, stop in [(0, 40), (5, 100), (3, 3), (known_inputs.PERIOD - 7, known_inputs.PERIOD + 9)]:
+    np.testing.assert_array_equal(inputs.rank(3, start, stop), whole[start:stop])
+  np.testing.assert_array_equal(whole[known_inputs.PERIOD:], whole[:100])  # the documented period
+
+
+DTYPES = ("float32", "bfloat16", "float16", "int32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_data_inputs_tell_every_pair_of_ranks_apart_up_to_4096(dtype):
+  """Every pair of ranks differs at every element while the group fits the dtype's alphabet, and in any
+  three consecutive elements up to 4096 ranks (and beyond); no rank is a shifted copy of another."""
+  n, count = 4096, 64
+  xs = np.stack([GroupInputs("data", dtype, n).rank(r, 0, count) for r in range(n)])
+  exact = program.as_dtype(xs, dtype).astype(np.int64)
+  np.testing.assert_array_equal(exact, xs)  # every value exact in the dtype
+  per_element = min(n, known_inputs.ALPHABET[dtype])
+  for i in range(count):
+    assert len(np.unique(xs[:per_element, i])) == per_element, (dtype, i)
+  for i in range(count - 2):
+    assert len(np.unique(xs[:, i:i + 3], axis=0)) == n, (dtype, i)
+  # Windows of 5 elements, at every offset of every rank, are all different: no offset error reproduces
+  # another rank's (or the same rank's) data.
+  windows = np.lib.stride_tricks.sliding_window_view(xs, 5, axis=1).reshape(-1, 5)
+  assert len(np.unique(windows, axis=0)) == len(windows)
+  # Different groups hold different data (a collective over the wrong groups shows).
+  assert (GroupInputs("data", dtype, 8, 0).rank(3, 0, count) != GroupInputs("data", dtype, 8, 1).rank(3, 0, count)).mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3, 18, 32, 72, 300, 4096])
+def test_sum_inputs_keep_every_partial_sum_exact_and_every_rank_visible(dtype, n):
+  count = 512
+  inputs = GroupInputs("sum", dtype, n)
+  xs = np.stack([inputs.rank(r, 0, count) for r in range(n)])
+  # Any subset's sum, in any order, is bounded by the sum of magnitudes: within the dtype's exact integers.
+  assert np.abs(xs).sum(axis=0).max() <= known_inputs.EXACT[dtype]
+  np.testing.assert_array_equal(inputs.total(0, count), xs.sum(axis=0))
+  stride = -(-n // known_inputs.EXACT[dtype])
+  # Every rank contributes somewhere in every `stride` consecutive elements (everywhere when stride is 1),
+  # so a reduction that drops or doubles any rank is wrong somewhere in every message that long.
+  nonzero = xs != 0
+  if stride == 1:
+    assert nonzero.all()
+  else:
+    blocks = nonzero[:, :count // stride * stride].reshape(n, -1, stride)
+    assert blocks.any(axis=2).all()
 
 
 HLO = """
@@ -92,10 +137,54 @@ def test_find_collectives_explicit_iota_and_pairs():
 
 def test_verify_rejects_wrong_groups_and_missing_ops():
   text = HLO.splitlines()[1]
-  assert hlo_check.verify(text, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]])).op == "all-reduce"
+  assert hlo_check.verify_groups(text, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]]))[0].op == "all-reduce"
   with pytest.raises(hlo_check.HloMismatch, match="expected all-reduce"):
-    hlo_check.verify(text, "all-reduce", np.array([[0, 1, 2, 3], [4, 5, 6, 7]]))
+    hlo_check.verify_groups(text, "all-reduce", np.array([[0, 1, 2, 3], [4, 5, 6, 7]]))
   with pytest.raises(hlo_check.HloMismatch, match="no collective"):
-    hlo_check.verify("%x = f32[] add(%a, %b)", "all-gather", np.array([[0, 1]]))
+    hlo_check.verify_groups("%x = f32[] add(%a, %b)", "all-gather", np.array([[0, 1]]))
   with pytest.raises(hlo_check.HloMismatch, match="unexpected"):
-    hlo_check.verify(HLO, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]]))
+    hlo_check.verify_groups(HLO, "all-reduce", np.array([[0, 4], [1, 5], [2, 6], [3, 7]]))
+
+
+def test_result_types_of_plain_and_async_forms():
+  assert parse.result_arrays("f32[256]{0}") == (["f32"], 256)
+  assert parse.result_arrays("(bf16[2]{0}, bf16[2]{0})") == (["bf16", "bf16"], 4)
+  # all-gather-start returns (operand, output); collective-permute-start adds two u32 contexts.
+  assert parse.result_arrays("(f32[64]{0}, f32[256]{0})", async_start=True) == (["f32"], 256)
+  assert parse.result_arrays("(f32[64]{0}, f32[64]{0}, u32[], u32[])", async_start=True) == (["f32"], 64)
+
+
+NESTED = """
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%outer_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %w = (s32[], f32[8]{0}) while(%p), condition=%c1, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  %cp = f32[8]{0} copy(%y)
+  ROOT %r = (s32[], f32[8]{0}) tuple(%i, %cp)
+}
+
+%runtime_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar2 = f32[8]{0} all-reduce(%x), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w0 = (s32[], f32[8]{0}) while(%t0), condition=%c0, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  %w1 = (s32[], f32[8]{0}) while(%t1), condition=%c2, body=%runtime_body
+  ROOT %ar3 = f32[8]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+
+
+def test_execution_counts_follow_nested_loops_and_refuse_unknown_trip_counts():
+  counts = parse.execution_counts(NESTED)
+  assert counts["main"] == 1 and counts["outer_body"] == 5 and counts["inner_body"] == 15
+  assert counts["runtime_body"] is None
+  assert {w.body: w.trip_count for w in parse.while_loops(NESTED)} == {
+      "inner_body": 3, "outer_body": 5, "runtime_body": None}
+  assert parse.reachable(NESTED, "outer_body") == {"outer_body", "inner_body"}
+  found = {c.text.removeprefix("ROOT ").split()[0]: c for c in parse.find_collectives(NESTED)}
+  assert found["%ar"].computation == "inner_body" and found["%ar3"].computation == "main"

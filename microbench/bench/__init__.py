@@ -1,2 +1,2 @@
-"""The collective benchmark: the registry of collectives, sizes, known inputs, the compiled program with
-its HLO check, correctness check and timing, the sweep, and a whole run."""
+"""The collective benchmark: the registry of collectives, sizes, known inputs, the check and timed programs
+with their HLO check, the correctness check and timing by difference, the sweep, and a whole run."""

@@ -1,46 +1,162 @@
-"""The benchmark's HLO check: the compiled program runs the intended collective over exactly the scope's
-groups, and nothing else.
+"""The benchmark's HLO check: the compiled program runs the intended collective, on the intended data, the
+intended number of times, back to back on the device, and nothing else.
 
-XLA drops degenerate collectives, merges small ones and may rewrite others; a wrong PartitionSpec silently
-measures something else. So every program is checked: the intended op is present and its replica groups
-(or source-target pairs) are exactly the scope's groups.
+XLA drops degenerate collectives, merges small ones, promotes types and may rewrite others; a wrong
+PartitionSpec silently measures something else; a loop whose trip count is only known at run time makes
+XLA's GPU runtime copy the loop condition to the host and synchronise on every repetition; a loop carry
+that holds an output twice adds a copy of the whole buffer to every repetition. So every program is
+checked against what it must be:
+
+- the op is present over exactly the scope's groups (or ring pairs), in group-rank order where the output
+  order depends on it (all-gather, reduce-scatter, all-to-all, collective-broadcast), and no other
+  collective is;
+- its element type is the dtype's, or a wider one the platform runs it in (XLA on CPU runs 16-bit
+  collectives as float32): that is reported as the wire dtype, never passed silently;
+- its per-device element count is the collective's output count;
+- it executes exactly the intended number of times per call, counted through while loops by their
+  `known_trip_count` (a loop without one fails), and, in a timed loop program, inside the loop;
+- no `copy` of the message's size runs in a timed program.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import numpy as np
 
+from microbench.hlo import parse
 from microbench.hlo.parse import HloCollective, find_collectives
+
+HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32"}
+DTYPE_OF = {v: k for k, v in HLO_TYPE.items()}
+WIDER = {"bf16": ("f32",), "f16": ("f32",)}  # what a platform may run a 16-bit collective in
 
 
 class HloMismatch(RuntimeError):
-  """The compiled program does not contain the collective the benchmark intends to time."""
+  """The compiled program does not run the collective the benchmark intends to time."""
 
 
-def expected_groups(op: str, groups: np.ndarray) -> frozenset:
+@dataclasses.dataclass(frozen=True)
+class Expectation:
+  """What one compiled program must contain."""
+  op: str                  # HLO opcode
+  groups: np.ndarray       # [num_groups, n] device ids in group-rank order
+  ordered: bool            # compare each group's order, not only its members
+  dtype: str               # the benchmark's dtype name
+  elements: int            # result elements per device of one op
+  executions: int          # op executions per call
+  in_loop: bool = False    # the executions must come from a while loop with a known trip count
+  outside_max: int = 0     # executions allowed outside loops (a peeled repetition) when in_loop
+  copy_limit: int | None = None  # fail on any copy of at least this many elements
+
+
+@dataclasses.dataclass(frozen=True)
+class Verified:
+  match: HloCollective
+  wire_dtype: str          # the dtype the op runs in on this platform
+  executions: int
+  trip_counts: tuple[int, ...]  # of the loops the op runs in
+
+
+def expected_groups(op: str, groups: np.ndarray, ordered: bool = False) -> frozenset:
   """Canonical form of what `op` over `groups` ([num_groups, n] of device ids) must show in HLO."""
   if op == "collective-permute":
     n = groups.shape[1]
     return frozenset((int(g[i]), int(g[(i + 1) % n])) for g in groups for i in range(n))
+  if ordered:
+    return frozenset(tuple(int(v) for v in g) for g in groups)
   return frozenset(frozenset(int(v) for v in g) for g in groups)
 
 
-def _canonical(c: HloCollective) -> frozenset:
+def _canonical(c: HloCollective, ordered: bool) -> frozenset:
   if c.op == "collective-permute":
     return frozenset(tuple(p) for p in c.groups)
+  if ordered:
+    return frozenset(tuple(g) for g in c.groups)
   return frozenset(frozenset(g) for g in c.groups)
 
 
-def verify(hlo_text: str, op: str, groups: np.ndarray) -> HloCollective:
-  """Asserts `op` appears over exactly `groups` and no other collective does; returns the match."""
+def _describe(cs: list[HloCollective]) -> str:
+  return "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in cs) or "no collective at all"
+
+
+def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = False,
+                  want: frozenset | None = None) -> list[HloCollective]:
+  """Asserts `op` appears over exactly `groups` (or the given canonical `want`) and no other collective
+  does; returns the matching instructions."""
   found = find_collectives(hlo_text)
-  want = expected_groups(op, groups)
-  matches = [c for c in found if c.op == op and _canonical(c) == want]
+  want = want if want is not None else expected_groups(op, groups, ordered)
+  matches = [c for c in found if c.op == op and _canonical(c, ordered) == want]
   others = [c for c in found if c not in matches]
   if not matches:
-    seen = "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in found) or "no collective at all"
-    raise HloMismatch(f"expected {op} over groups {groups.tolist()}, compiled program has: {seen}")
+    order = " in this order" if ordered else ""
+    raise HloMismatch(f"expected {op} over groups {groups.tolist()}{order}, compiled program has: {_describe(found)}")
   if others:
-    raise HloMismatch(f"compiled program has unexpected collectives besides {op}: "
-                      + "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in others))
-  return matches[0]
+    raise HloMismatch(f"compiled program has unexpected collectives besides {op}: {_describe(others)}")
+  return matches
+
+
+def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Verified:
+  """Checks every property in the module docstring; raises HloMismatch naming the first one that fails."""
+  matches = verify_groups(hlo_text, exp.op, exp.groups, exp.ordered, want)
+  asked = HLO_TYPE[exp.dtype]
+  wire = set()
+  for c in matches:
+    for t in c.element_types:
+      if t != asked and t not in WIDER.get(asked, ()):
+        raise HloMismatch(f"{exp.op} runs on {t} data, the benchmark asked for {exp.dtype} ({asked}): {c.text[:200]}")
+      wire.add(t)
+    if c.elements != exp.elements:
+      raise HloMismatch(f"{exp.op} moves {c.elements} elements per device, expected {exp.elements}: {c.text[:200]}")
+  if len(wire) > 1:
+    raise HloMismatch(f"{exp.op} runs in several types {sorted(wire)}")
+  counts = parse.execution_counts(hlo_text)
+  loops = parse.while_loops(hlo_text)
+  in_loops: dict[str, WhileTrip] = {}
+  for loop in loops:
+    for name in parse.reachable(hlo_text, loop.body):
+      in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  total, inside, trips = 0, 0, []
+  for c in matches:
+    times = counts.get(c.computation)
+    if times is None:
+      where = in_loops.get(c.computation)
+      why = f"the loop has no known trip count ({where.line[:160]})" if where else "a conditional or unknown caller"
+      raise HloMismatch(f"can't count how often {exp.op} runs: {why}")
+    total += times
+    if c.computation in in_loops:
+      inside += times
+      trips.append(in_loops[c.computation].trip_count)
+  if total != exp.executions:
+    raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
+  if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
+    raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
+  if exp.copy_limit is not None:
+    _no_big_copies(hlo_text, exp.copy_limit, in_loops)
+  return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
+                  tuple(t for t in trips if t is not None))
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileTrip:
+  trip_count: int | None
+  line: str
+
+
+def _no_big_copies(hlo_text: str, limit: int, in_loops: dict) -> None:
+  comps = parse.computations(hlo_text)
+  entry = next((c.name for c in comps.values() if c.entry), None)
+  run = parse.reachable(hlo_text, entry) if entry else set(comps)
+  for name in sorted(run):
+    for line in comps[name].lines:
+      ins = parse.parse_instruction(line)
+      if ins is None or ins.opcode not in ("copy", "copy-start"):
+        continue
+      # Scalars (loop counters, async contexts) are never the message.
+      shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
+      _, elements = parse.result_arrays(shaped, ins.opcode == "copy-start")
+      if elements >= limit:
+        where = "the loop body" if name in in_loops else "the program"
+        raise HloMismatch(f"{where} copies {elements} elements (a buffer of the message's size) on every "
+                          f"{'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")

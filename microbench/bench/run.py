@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import signal
+import sys
 from typing import Any
 
 from absl import app
@@ -12,10 +14,13 @@ from absl import app
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
-from microbench.cluster import distributed, machine
+from microbench.cluster import distributed, environment, link_peaks, machine
+from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
+from microbench.report import alpha_beta
 
-# Per device a point holds the input, the loop-carried copy and the output: about 4 S at the peak.
+# Per device a point holds the known inputs, the check's output, then the loop carry and the body's
+# temporary (all-gather: its input shard too): about 4 S at the peak.
 _DEVICE_BYTES_PER_S = 4
 JOB_FAILED = 3  # exit status when another process of the job died
 
@@ -46,6 +51,22 @@ def _check_memory(cfg: sweep.SweepConfig) -> None:
         f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {sizes.format_size(have // 4 // 2**20 * 2**20)}")
 
 
+def _write_model(outdir: str, records: list[dict[str, Any]], out: run_folder.RunOutputs) -> None:
+  """model.json: the alpha-beta fit of every series measured so far (also after an interruption), and with
+  matplotlib (the `report` extra) the report's figures in the run's TensorBoard events (Images tab)."""
+  try:
+    alpha_beta.write_model(outdir, alpha_beta.fit_run(records))
+  except Exception as e:  # pylint: disable=broad-except
+    out.print(f"# no {alpha_beta.MODEL}: {type(e).__name__}: {e}")  # the measurements are already safe
+  if importlib.util.find_spec("matplotlib") is None:
+    return
+  try:
+    from microbench.report import build  # pylint: disable=g-import-not-at-top  (imports matplotlib)
+    build.sweep_images(outdir, records)
+  except Exception as e:  # pylint: disable=broad-except
+    out.print(f"# no figures in the TensorBoard events: {type(e).__name__}: {e}")
+
+
 def _raise_interrupt(signum, frame):
   del signum, frame
   raise KeyboardInterrupt
@@ -64,6 +85,10 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   _check_memory(cfg)
   hosts = distributed.process_hosts()
   plans = plan_scopes(topology, cfg.scopes)
+  try:
+    peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
+  except link_peaks.LinkPeakError as e:
+    raise app.UsageError(str(e)) from None
   out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
   previous = run_folder.read_results(outdir) if resumed else []
   done = sweep.finished_points(previous)
@@ -76,35 +101,56 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "scopes": {p.name: {"axes": list(p.axes), "group_size": p.group_size, "num_groups": p.num_groups,
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
       "status": "running",
+      "link_peaks": link_peaks.describe(peaks),
+      "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
   out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
+  out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
   out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
             f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
+  for line in environment.header(meta["environment"]) if out.enabled else []:
+    out.print(line)
   out.print(f"# {note}")
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
   if resumed:
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
   records: list[dict[str, Any]] = []
   status = "interrupted"
+
+  def on_hang(label: str, seconds: float, rec: dict[str, Any] | None) -> None:
+    where = sweep.describe_point(rec) if rec else "the sweep"
+    reason = (f"watchdog: the {label} of {where} did not finish within {seconds:.0f} s"
+              " (a hung collective or a lost peer)")
+    if rec:
+      out.record({**rec, "status": "failed", "reason": reason, "finished_at": _now()})
+    meta.update(status="failed", finished_at=_now(), points_this_run=len(records), reason=reason)
+    out.write_meta(meta)
+    out.print(f"\n# {reason}; every finished point is in results.jsonl; continue with --resume={outdir}")
+    out.close()
+    print(f"microbench: process {jax.process_index()}: {reason}", file=sys.stderr, flush=True)
+
+  watchdog = Watchdog(on_hang, exit_code=JOB_FAILED)
   # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
-    records = sweep.run_sweep(cfg, mesh, topology, plans, out, done)
+    sweep.run_sweep(cfg, mesh, topology, plans, out, done, watchdog, records)
     status = "finished"
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")
     return 130
   except sweep.JobFailed as e:
     status = "failed"
-    out.print(f"\n# a process of the job failed ({e}); every finished point is in results.jsonl;"
-              f" continue with --resume={outdir}")
+    meta["reason"] = str(e)
+    out.print(f"\n# {e}; every finished point is in results.jsonl; continue with --resume={outdir}")
     return JOB_FAILED
   finally:
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
     out.close()
-  everything = sweep.latest(previous + records)
+    if out.enabled:
+      _write_model(outdir, run_folder.latest(previous + records), out)
+  everything = run_folder.latest(previous + records)
   out.print()
   out.print(table.summary(everything))
   wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")

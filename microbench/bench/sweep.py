@@ -1,8 +1,11 @@
-"""The sweep: every collective x scope x dtype x size, one point at a time, each recorded as it finishes."""
+"""The sweep: every collective x scope x dtype x distinct size, one point at a time, each recorded as it
+finishes, every device step under the watchdog's deadline."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from concurrent import futures
 import datetime
 import os
 import signal
@@ -16,8 +19,10 @@ from meshes.scopes import ScopePlan
 from meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program
 from microbench.bench.sizes import round_count, sweep
-from microbench.cluster import distributed
+from microbench.cluster import distributed, link_peaks
+from microbench.cluster.watchdog import Watchdog, deadline
 from microbench.output import run_folder, table
+from microbench.output.run_folder import point_keys
 
 
 class JobFailed(RuntimeError):
@@ -25,6 +30,7 @@ class JobFailed(RuntimeError):
 
 
 STRAGGLER_SPREAD = 0.10  # cross-process spread of per-process median times, as a share of the median
+DEADLINE_FACTOR = 10.0   # a device step may take this many times its expected duration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,28 +41,26 @@ class SweepConfig:
   min_bytes: int
   max_bytes: int
   step_factor: float
-  iters: int
+  iters: int      # operations in the long arm (upper bound with sample_s); 1 = latency mode
   warmup: int
   samples: int
   check: bool
-  sample_s: float = 0.0  # > 0: fewer repetitions (down to 1) for operations that are already long
-  inject_delay: tuple[int, float] | None = None  # (rank, seconds): fault injection for straggler tests
+  sample_s: float = 0.0  # > 0: fewer operations in the long arm for operations that are already long
+  hang_timeout: float = 120.0  # floor of every device step's deadline (seconds)
+  inject_delay: tuple[int, float] | None = None  # (rank, seconds per operation): a slow rank
   inject_crash: tuple[int, int] | None = None    # (rank, point index): a rank that dies mid-sweep
+  link_peaks: str | None = None  # --link_peaks: link peak per fabric level (else device-kind defaults)
+  inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
 
-
-def point_key(rec: dict[str, Any]) -> tuple:
-  return (rec["collective"], rec["scope"], rec["dtype"], rec["requested_bytes"])
+  @property
+  def latency_mode(self) -> bool:
+    return self.iters == 1
 
 
 def finished_points(records: list[dict[str, Any]]) -> set[tuple]:
   """Points a resumed run need not repeat: measured, or failed their HLO check (deterministic).
-  Skipped points (e.g. out of memory) are tried again."""
-  return {point_key(r) for r in records if r["status"] in ("ok", "error")}
-
-
-def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One record per point, the last one written (a resumed run may re-measure skipped points)."""
-  return list({point_key(r): r for r in records}.values())
+  Skipped and failed points (out of memory, a hang) are tried again."""
+  return {k for r in records if r["status"] in ("ok", "error") for k in point_keys(r)}
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
@@ -67,63 +71,157 @@ def _gather(values: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(values, tiled=False))
 
 
-def _stats(per_proc: np.ndarray) -> dict[str, Any]:
-  """Sample time = slowest process's; spread = range of per-process medians over the median."""
-  per_sample = per_proc.max(axis=0)
-  med = float(np.median(per_sample))
+def _spread(per_proc: np.ndarray) -> dict[str, Any]:
+  """Cross-process spread of per-process median per-operation times ([process, sample])."""
   proc_medians = np.median(per_proc, axis=1)
+  med = float(np.median(per_proc.max(axis=0)))
   spread = float((proc_medians.max() - proc_medians.min()) / med) if med > 0 else 0.0
-  return {
-      "time_us": med * 1e6,
-      "time_us_min": float(per_sample.min()) * 1e6,
-      "time_us_p99": float(np.percentile(per_sample, 99)) * 1e6,
-      "time_us_mean": float(per_sample.mean()) * 1e6,
-      "time_spread": spread,
-      "straggler": bool(spread > STRAGGLER_SPREAD),
-      "slowest_rank": int(proc_medians.argmax()),
+  return {"time_spread": spread, "straggler": bool(spread > STRAGGLER_SPREAD),
+          "slowest_rank": int(proc_medians.argmax())}
+
+
+def difference_stats(t_short: np.ndarray, t_long: np.ndarray, reps_short: int, reps_long: int) -> dict[str, Any]:
+  """Per-operation statistics from [process, sample] call times of the two arms.
+
+  A sample's call time is the slowest process's; each alternating pair gives one per-operation time
+  (T_long - T_short) / (reps_long - reps_short). If the median of those is not positive the difference did
+  not resolve the operation above the per-call noise: the long arm's average (an upper bound that includes
+  the per-call costs) is reported instead, and the method says so.
+  """
+  s, l = t_short.max(axis=0), t_long.max(axis=0)
+  per_op = (l - s) / (reps_long - reps_short)
+  med = float(np.median(per_op))
+  out: dict[str, Any] = {
+      "call_us_short": float(np.median(s)) * 1e6, "call_us_long": float(np.median(l)) * 1e6,
+      "samples_us": [float(v) * 1e6 for v in per_op],
   }
+  if med > 0:
+    out.update(time_method="difference", time_us=med * 1e6, time_us_min=float(per_op.min()) * 1e6,
+               time_us_max=float(per_op.max()) * 1e6, time_us_mean=float(per_op.mean()) * 1e6,
+               call_overhead_us=(float(np.median(s)) - reps_short * med) * 1e6)
+    out.update(_spread((t_long - t_short) / (reps_long - reps_short)))
+  else:
+    avg = l / reps_long
+    out.update(time_method="long-arm average (difference unresolved)", time_us=float(np.median(avg)) * 1e6,
+               time_us_min=float(avg.min()) * 1e6, time_us_max=float(avg.max()) * 1e6,
+               time_us_mean=float(avg.mean()) * 1e6, samples_us=[float(v) * 1e6 for v in avg])
+    out.update(_spread(t_long / reps_long))
+  return out
+
+
+def latency_stats(t_calls: np.ndarray) -> dict[str, Any]:
+  """Latency mode: one operation per call, percentiles over single operations ([process, sample])."""
+  per_sample = t_calls.max(axis=0)
+  q = np.percentile(per_sample, [50, 90, 99]) * 1e6
+  return {"time_method": "latency (one operation per call, dispatch included)",
+          "time_us": float(np.median(per_sample)) * 1e6, "time_us_min": float(per_sample.min()) * 1e6,
+          "time_us_max": float(per_sample.max()) * 1e6, "time_us_mean": float(per_sample.mean()) * 1e6,
+          "time_us_p50": float(q[0]), "time_us_p90": float(q[1]), "time_us_p99": float(q[2]),
+          "samples_us": [float(v) * 1e6 for v in per_sample], **_spread(t_calls)}
+
+
+class _Guard:
+  """The watchdog's view of the point in progress (a no-op without a watchdog)."""
+
+  def __init__(self, dog: Watchdog | None, floor_s: float, rec: dict[str, Any]):
+    self.dog, self.floor_s, self.rec = dog, floor_s, rec
+
+  def __call__(self, label: str, expected_s: float = 0.0):
+    if self.dog is None:
+      return contextlib.nullcontext()
+    return self.dog.guard(label, deadline(expected_s, self.floor_s, DEADLINE_FACTOR), self.rec)
+
+
+def _hang_here(cfg: SweepConfig, index: int) -> bool:
+  return bool(cfg.inject_hang and cfg.inject_hang[0] == jax.process_index() and index == cfg.inject_hang[1] + 1)
 
 
 def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collective, dtype: str,
-              requested: int, barrier) -> dict[str, Any]:
+              requested: int, barrier, watchdog: Watchdog | None = None, expected_op_s: float = 0.0,
+              index: int = 0, total: int = 0, also_requested: tuple[int, ...] = ()) -> dict[str, Any]:
+  """Measures one point. `expected_op_s` (from the block's previous point, 0 if none) sizes the watchdog's
+  deadlines and, when known, the long arm, so all three programs compile at once."""
   itemsize = np.dtype(program.DTYPES[dtype]).itemsize
   n = plan.group_size
   count = round_count(requested, itemsize, coll.count_multiple(n))
-  platform = mesh.devices.flat[0].platform
+  platform = program.platform_of(mesh)
   rec: dict[str, Any] = {
       "collective": coll.name, "scope": plan.name, "dtype": dtype, "requested_bytes": requested,
       "bytes": count * itemsize, "count": count, "group_size": n, "num_groups": plan.num_groups,
       "iters": cfg.iters, "samples": cfg.samples, "warmup": cfg.warmup, "impl": coll.impl(platform),
-      "num_processes": jax.process_count(),
+      "num_processes": jax.process_count(), "point": index, "of_points": total,
   }
+  if also_requested:
+    rec["also_requested"] = list(also_requested)
+  guard = _Guard(watchdog, cfg.hang_timeout, rec)
+  delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
+  reps = None
+  if not cfg.latency_mode and expected_op_s > 0:
+    reps = program.long_reps(expected_op_s, cfg.iters, cfg.sample_s)
+  t0 = time.perf_counter()
   try:
-    prog = program.build(coll, mesh, plan, count, dtype)
+    point, short, long = _compile_point(cfg, coll, mesh, plan, count, dtype, reps)
   except hlo_check.HloMismatch as e:
     return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
   except Exception as e:  # pylint: disable=broad-except
     return {**rec, "status": "skipped", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
-  rec["compile_s"] = prog.compile_s
-  rec["hlo"] = prog.hlo_match.text[:400]
+  rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
+             wire_dtype=point.wire_dtype)
   try:
-    wrong = program.check(prog, compare=cfg.check)
-    if not cfg.check:
-      wrong = None
-    delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
-    iters = program.choose_iters(prog, cfg.iters, cfg.sample_s)
-    if jax.process_count() > 1:  # every process must run the same program the same number of times
-      iters = int(_gather(np.asarray([iters])).min())
-    rec["iters"] = iters
-    times = program.time_runs(prog, iters, cfg.warmup, cfg.samples, barrier, delay)
+    with guard("correctness check", expected_op_s):
+      wrong = program.check(point, compare=cfg.check)
+      wrong = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
+    if cfg.latency_mode:
+      with guard("timed runs", (cfg.warmup + cfg.samples) * (expected_op_s + delay)):
+        if _hang_here(cfg, index):
+          time.sleep(1e9)  # fault injection: a collective that never returns
+        times = _gather(program.time_calls(point, cfg.warmup, cfg.samples, barrier, delay))
+      stats = latency_stats(times)
+    else:
+      if long is None:  # first point of a block: size the long arm from one measured call
+        with guard("probe run", expected_op_s):
+          call_s = program.call_time(point)
+        reps = program.long_reps(call_s, cfg.iters, cfg.sample_s)
+        if jax.process_count() > 1:  # every process must run the same programs
+          with guard("agreeing on repetitions"):
+            reps = int(_gather(np.asarray([reps])).min())
+        t1 = time.perf_counter()
+        try:
+          long = program.build_timed(coll, mesh, plan, count, dtype, reps)
+        except hlo_check.HloMismatch as e:
+          return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
+        rec["compile_s"] += time.perf_counter() - t1
+        expected_op_s = max(expected_op_s, call_s)
+      rec["iters"], rec["short_iters"] = long.reps, short.reps
+      rec["trip_count"] = max(long.verified.trip_counts, default=None)
+      carry = program.initial_carry(point)
+      per_pair = (short.reps + long.reps) * (expected_op_s + delay)
+      with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
+        if _hang_here(cfg, index):
+          time.sleep(1e9)  # fault injection: a collective that never returns
+        t_short, t_long = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay)
+        t_short, t_long = _gather(t_short), _gather(t_long)
+      stats = difference_stats(t_short, t_long, short.reps, long.reps)
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}
-  all_times = _gather(times)
-  if wrong is not None:
-    wrong = int(_gather(np.asarray([wrong], np.int64)).sum())
-  stats = _stats(all_times)
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
           "busbw_gbps": algbw * coll.busbw_factor(n)}
+
+
+def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None):
+  """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long
+  arm, compiled concurrently: XLA compiles release the GIL, and the three are independent."""
+  if cfg.latency_mode:
+    return program.build_check(coll, mesh, plan, count, dtype), None, None
+  with futures.ThreadPoolExecutor(3) as pool:
+    jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
+            pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
+    if reps:
+      jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
+    done = [j.result() for j in jobs]
+  return done[0], done[1], done[2] if reps else None
 
 
 def _first_line(e: BaseException) -> str:
@@ -131,43 +229,83 @@ def _first_line(e: BaseException) -> str:
   return text[0][:300] if text else ""
 
 
+def distinct_counts(coll: collectives.Collective, dtype: str, n: int, sizes: list[int]) -> dict[int, list[int]]:
+  """Element count per rank -> the requested sizes that round to it, in sweep order."""
+  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
+  out: dict[int, list[int]] = {}
+  for size in sizes:
+    out.setdefault(round_count(size, itemsize, coll.count_multiple(n)), []).append(size)
+  return out
+
+
 def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan], out: run_folder.RunOutputs,
-              done: set[tuple] = frozenset()) -> list[dict[str, Any]]:
-  """Runs every point not in `done`, records each as it finishes, returns the records of this run."""
+              done: set[tuple] = frozenset(), watchdog: Watchdog | None = None,
+              records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+  """Runs every point not in `done`, records each as it finishes (also appended to `records`), returns
+  the records of this run."""
   sizes = sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor)
   barrier = program.make_barrier(mesh)
-  records: list[dict[str, Any]] = []
+  records = [] if records is None else records
   active = [p for p in plans if not p.skip_reason]
   for p in plans:
     if p.skip_reason:
       out.print(f"# scope {p.name} skipped: {p.skip_reason}")
+  if not active:
+    out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
+              " nothing, and XLA removes it); no point is recorded")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes]
-  total = len(blocks) * len(sizes)
+  peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
+  extents = dict(zip(mesh.axis_names, mesh.devices.shape))
+  plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
+  total = sum(len(c) for c in plan_counts)
   index = 0
   t_start = time.perf_counter()
-  for bi, (cname, plan, dtype) in enumerate(blocks):
+  platform = program.platform_of(mesh)
+  for bi, ((cname, plan, dtype), counts) in enumerate(zip(blocks, plan_counts)):
     coll = collectives.get(cname)
+    peak = link_peaks.bus_peak(cname, plan.axes, extents, peaks)
     out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
-              f"{plan.group_size}, {coll.impl(mesh.devices.flat[0].platform)}, busbw factor "
-              f"{coll.busbw_factor(plan.group_size):.4g}")
+              f"{plan.group_size}, {coll.impl(platform)}, busbw factor {coll.busbw_factor(plan.group_size):.4g}"
+              + (f", link peak {peak:.4g} GB/s busbw" if peak else ""))
+    for count, reqs in counts.items():
+      if len(reqs) > 1:
+        itemsize = np.dtype(program.DTYPES[dtype]).itemsize
+        out.print(f"# requested sizes {', '.join(map(str, reqs))} B all round to {count} elements "
+                  f"({count * itemsize} B) for groups of {plan.group_size}: measured once")
     out.print("#" + table.HEADER[1:])
     out.print("#" + table.UNITS[1:])
-    for size in sizes:
+    last: tuple[float, int] | None = None  # (seconds per operation, bytes) of this block's previous point
+    for count, reqs in counts.items():
       index += 1
-      key = (cname, plan.name, dtype, size)
-      if key in done:
+      if all((cname, plan.name, dtype, r) in done for r in reqs):
         continue
       if cfg.inject_crash and cfg.inject_crash[0] == jax.process_index() and index > cfg.inject_crash[1]:
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a lost node, no cleanup
-      rec = run_point(cfg, mesh, plan, coll, dtype, size, barrier)
-      rec["point"] = index
-      rec["of_points"] = total
+      itemsize = np.dtype(program.DTYPES[dtype]).itemsize
+      expected = last[0] * count * itemsize / last[1] if last else 0.0
+      rec = run_point(cfg, mesh, plan, coll, dtype, reqs[0], barrier, watchdog, expected, index, total,
+                      tuple(reqs[1:]))
+      if rec["status"] == "ok":
+        rec.update(link_peaks.share(rec["busbw_gbps"], peak))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       if (rec["status"] == "skipped" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):
-        raise JobFailed(rec["reason"])  # not recorded: the point was never measured
+        # The job can't go on. The point is recorded as failed (a resume measures it again), named, so the
+        # outcome reads the same whether this process's watchdog or the lost peer ended the point first.
+        reason = f"a process of the job failed during {describe_point(rec)}: {rec['reason']}"
+        out.record({**rec, "status": "failed", "reason": reason})
+        raise JobFailed(reason)
+      if rec["status"] == "ok":  # a call of the long arm / its operations, which includes per-call costs
+        per_op = rec["call_us_long"] / rec["iters"] if "call_us_long" in rec else rec["time_us"]
+        last = (per_op * 1e-6, rec["bytes"])
       out.record(rec)
       records.append(rec)
       out.print(table.format_row(rec))
   out.print(f"\n# {len(records)} point(s) in {time.perf_counter() - t_start:.1f} s")
   return records
+
+
+def describe_point(rec: dict[str, Any]) -> str:
+  """`point 3/15 (all_reduce over scale_up, float32, 4096 B)`: how messages name a point."""
+  return (f"point {rec.get('point', '?')}/{rec.get('of_points', '?')} ({rec['collective']} over {rec['scope']}, "
+          f"{rec['dtype']}, {rec.get('bytes', rec.get('requested_bytes'))} B)")

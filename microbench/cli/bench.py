@@ -16,7 +16,7 @@ from meshes.scopes import SCOPES
 from microbench.bench import collectives, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
-from microbench.cluster import machine
+from microbench.cluster import link_peaks, machine
 from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
@@ -27,23 +27,33 @@ flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G
 flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
 flags.DEFINE_float("step_factor", 2.0, "Multiply the size by this between points (> 1).")
 flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}.")
-flags.DEFINE_integer("iters", 20, "Collectives per timed sample, repeated inside one jitted program"
-                     " (an upper bound when --sample_ms is set).")
-flags.DEFINE_float("sample_ms", 20.0, "Use fewer repetitions per sample (down to 1) for operations that are"
-                   " already long, so a sample lasts about this long; 0 always uses --iters.")
-flags.DEFINE_integer("warmup", 1, "Untimed runs of the program (each of --iters collectives) per point.")
-flags.DEFINE_integer("samples", 10, "Timed runs per point: median, min and p99 over these.")
+flags.DEFINE_integer("iters", 20, "Operations in the long timed program (even; the short one runs 2, the"
+                     " reported time is the difference per added operation); an upper bound when --sample_ms"
+                     " is set. 1 = latency mode: every sample is one operation, dispatch included.")
+flags.DEFINE_float("sample_ms", 20.0, "Use fewer operations in the long program (down to 6) for operations that"
+                   " are already long, so one of its calls lasts about this long; 0 always uses --iters.")
+flags.DEFINE_integer("warmup", 1, "Untimed calls of each timed program per point.")
+flags.DEFINE_integer("samples", 10, "Timed pairs of calls (short, long) per point, or single operations with"
+                     " --iters=1: median, min, max over these.")
+flags.DEFINE_float("hang_timeout", 120.0, "Watchdog floor in seconds: a device step that runs longer than this"
+                   " and 10x its expected time ends the job (a hung collective), recorded as failed.")
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
+flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
+                    f" name ({', '.join(link_peaks.LINKS)}): e.g. scale_up:450,scale_out:ndr. Levels:"
+                    f" {', '.join(link_peaks.LEVELS)}. Default: NVLink from the device kind; no NIC peak.")
 flags.DEFINE_string("outdir", None, "Run folder. Default: runs/<UTC timestamp>.")
 flags.DEFINE_string("resume", None, "Continue the interrupted run in this folder with its recorded flags,"
                     " skipping points already in its results.jsonl.")
-flags.DEFINE_string("inject_delay", None, "Fault injection RANK:MS: process RANK adds MS to every timed sample.")
+flags.DEFINE_string("inject_delay", None, "Fault injection RANK:MS: process RANK adds MS per operation to every"
+                    " timed call.")
 flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process RANK dies before point POINT+1.")
+flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RANK hangs in point POINT+1's timed"
+                    " runs, like a collective that never returns.")
 
 SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "topology", "nodes_per_rack")
+               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -79,20 +89,31 @@ def config_from_flags() -> sweep.SweepConfig:
   for name in ("iters", "samples"):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")
+  if 1 < FLAGS.iters < 6:
+    raise app.UsageError(f"--iters={FLAGS.iters}: use 1 (latency mode: one operation per sample) or >= 6 (the"
+                         " long timed program; the short one runs 2)")
+  if FLAGS.hang_timeout <= 0:
+    raise app.UsageError(f"--hang_timeout={FLAGS.hang_timeout} must be > 0")
   if FLAGS.sample_ms < 0:
     raise app.UsageError(f"--sample_ms={FLAGS.sample_ms} must be >= 0")
   if FLAGS.warmup < 0:
     raise app.UsageError(f"--warmup={FLAGS.warmup} must be >= 0")
   crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
+  try:
+    link_peaks.parse(FLAGS.link_peaks)
+  except link_peaks.LinkPeakError as e:
+    raise app.UsageError(str(e)) from None
+  hang = _rank_value(FLAGS.inject_hang, "inject_hang", 1)
   return sweep.SweepConfig(
       collectives=_choose(FLAGS.collectives, collectives.NAMES, "collective"),
       scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
       dtypes=_choose(FLAGS.dtype, tuple(DTYPES), "dtype"),
       min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
-      sample_s=FLAGS.sample_ms * 1e-3,
+      sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
-      inject_crash=(crash[0], int(crash[1])) if crash else None)
+      inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks,
+      inject_hang=(hang[0], int(hang[1])) if hang else None)
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from absl import app, flags
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import distributed
 from models import FAMILIES
+from models.layers import REMAT_POLICIES
 
 FLAGS = flags.FLAGS
 # Registered under the library's name (cli_runner makes --help list them).
@@ -30,6 +31,22 @@ flags.DEFINE_integer("steps", 10, "Training steps, warm-up included.", **_M)
 flags.DEFINE_integer("warmup_steps", 2, "First steps left out of the summary.", **_M)
 flags.DEFINE_string("dtype", "float32", "Compute dtype: float32 or bfloat16 (parameters stay float32).", **_M)
 flags.DEFINE_float("learning_rate", 3e-4, "AdamW learning rate (constant).", **_M)
+flags.DEFINE_float("clip_norm", 1.0, "Clip the gradients to this global norm before AdamW (0: no clipping).",
+                   **_M)
+flags.DEFINE_integer("grad_accum", 1, "Microbatches per step: the global batch is split into this many,"
+                     " gradients are accumulated (float32) inside the step.", **_M)
+flags.DEFINE_string("remat", "dots_with_no_batch_dims_saveable",
+                    f"What each transformer block keeps for the backward pass, one of {', '.join(REMAT_POLICIES)}"
+                    " (the rest is recomputed). none: everything but the gathered weights; full: only the"
+                    " block's input; dots_saveable: every matmul output; dots_with_no_batch_dims_saveable: the"
+                    " projections' outputs (attention recomputed); save_qkv_attention: QKV and the attention"
+                    " output (MLP recomputed).", **_M)
+flags.DEFINE_bool("scan_layers", True, "Run the transformer blocks under a scan (one block in the program,"
+                  " compile time flat in depth); --noscan_layers unrolls them.", **_M)
+flags.DEFINE_string("attention", "auto", "Attention kernel: auto (cuDNN's fused flash attention on NVIDIA GPUs"
+                    " where it applies, XLA elsewhere), xla, or cudnn.", **_M)
+flags.DEFINE_bool("compile_only", False, "Compile the step for the mesh and report memory per device, FLOPs"
+                  " and the communication fingerprint without running it.", **_M)
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and the synthetic data.", **_M)
 flags.DEFINE_float("capacity_factor", None, "Mixture of experts: slots per expert = ceil(factor x tokens x"
                    " top-k / experts) per routing group; tokens past it are dropped (counted). <= 0: never drop."
@@ -56,6 +73,8 @@ def main(argv: list[str]) -> None:
       model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
       placement=FLAGS.placement, batch=FLAGS.batch, seq_len=FLAGS.seq_len, steps=FLAGS.steps,
       warmup_steps=FLAGS.warmup_steps, dtype=FLAGS.dtype, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
+      clip_norm=FLAGS.clip_norm, grad_accum=FLAGS.grad_accum, remat=FLAGS.remat, scan_layers=FLAGS.scan_layers,
+      attention=FLAGS.attention, compile_only=FLAGS.compile_only,
       capacity_factor=FLAGS.capacity_factor, moe_dispatch=FLAGS.moe_dispatch,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
       nodes_per_rack=FLAGS.nodes_per_rack)

@@ -145,7 +145,9 @@ def _wait(proc: Proc) -> None:
   proc.returncode = code
 
 
-def _start(proc: Proc) -> None:
+def start(proc: Proc) -> None:
+  """Starts one process in its own session (process group), its output into its log (and, for passed-through
+  ranks, also to ours); a waiter thread records its exit code and time."""
   log = open(proc.log_path, "ab", buffering=0)  # pylint: disable=consider-using-with
   env = dict(os.environ)
   env.update(proc.env)
@@ -166,7 +168,8 @@ def _start(proc: Proc) -> None:
   threading.Thread(target=_wait, args=(proc,), daemon=True).start()
 
 
-def _signal_group(proc: Proc, sig: int) -> None:
+def signal_group(proc: Proc, sig: int) -> None:
+  """Sends `sig` to the process group of a started proc (itself and what it spawned); gone groups are ignored."""
   if proc.popen is None:
     return
   try:
@@ -180,14 +183,14 @@ def stop(procs: Sequence[Proc], grace: float) -> None:
   live = [p for p in procs if p.popen is not None and p.popen.poll() is None]
   for p in live:
     p.stopped_by_us = True
-    _signal_group(p, signal.SIGTERM)
+    signal_group(p, signal.SIGTERM)
   deadline = time.monotonic() + grace
   while time.monotonic() < deadline and any(p.popen.poll() is None for p in live):
     time.sleep(0.05)
   for p in procs:
     # Kill the whole group even if its leader exited: grandchildren may linger.
     if p.popen is not None:
-      _signal_group(p, signal.SIGKILL)
+      signal_group(p, signal.SIGKILL)
   for p in live:
     try:
       p.popen.wait(timeout=5)
@@ -238,12 +241,12 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
   stopped (jobs are independent: other jobs go on). `timeout` bounds the whole call; SIGINT/SIGTERM
   (as `Interrupted`, see install_signal_handlers) stops everything and is re-raised after cleanup.
   """
-  start = time.monotonic()
+  t0 = time.monotonic()
   results: dict[str, JobResult] = {}
   all_procs = [p for procs in jobs.values() for p in procs]
   try:
     for p in all_procs:
-      _start(p)
+      start(p)
     while len(results) < len(jobs):
       for job, procs in jobs.items():
         if job in results:
@@ -259,15 +262,15 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
           stop(procs, grace)
           results[job] = JobResult(job, launcher_code(first.returncode), first.rank, first.returncode,
                                    f"{first.name} failed with {describe_code(first.returncode)}",
-                                   time.monotonic() - start)
+                                   time.monotonic() - t0)
         elif all(p.returncode == 0 for p in procs):
           for p in procs:
             for t in p.threads:
               t.join(timeout=5)
-          results[job] = JobResult(job, 0, seconds=time.monotonic() - start)
+          results[job] = JobResult(job, 0, seconds=time.monotonic() - t0)
       if len(results) == len(jobs):
         break
-      if timeout and time.monotonic() - start > timeout:
+      if timeout and time.monotonic() - t0 > timeout:
         pending = [j for j in jobs if j not in results]
         named = [j for j in pending if j]
         say(f"timeout after {timeout:g} s; stopping " + (f"job(s) {', '.join(named)}" if named else "all ranks"))
@@ -275,7 +278,7 @@ def run_jobs(jobs: dict[str, list[Proc]], *, timeout: float | None = None, grace
           stop(jobs[job], grace)
           alive = [p.rank for p in jobs[job] if p.stopped_by_us]
           results[job] = JobResult(job, EXIT_TIMEOUT, reason=f"timeout after {timeout:g} s (ranks still "
-                                   f"running: {alive})", seconds=time.monotonic() - start)
+                                   f"running: {alive})", seconds=time.monotonic() - t0)
         break
       time.sleep(poll)
   except BaseException:

@@ -47,6 +47,23 @@ class JobReport:
   log_dir: str
 
 
+def job_procs(bed: Testbed, hosts: Sequence[int], command: Sequence[str], name: str, log_dir: str, *,
+              devices_per_process: int = 1, pass_flags: bool = True, passthrough: bool = True,
+              prefix: str = "") -> list[launch.Proc]:
+  """The processes of one job, process I inside host hosts[I], with a coordinator on its first host (not
+  started; see launch.run_jobs or the study's runner). Logs go to log_dir/rank<I>.log."""
+  coordinator = f"{bed.addr(hosts[0])}:{bed.free_port(hosts[0])}"
+  n = len(hosts)
+  procs = []
+  for i, h in enumerate(hosts):
+    argv = bed.exec_argv(h, list(command) + (launch.distributed_flags(coordinator, n, i) if pass_flags else []))
+    env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
+        coordinator, n, i, devices_per_process, bed.host_name(h), job=name)))
+    procs.append(launch.Proc(name, i, argv, env, os.path.join(log_dir, f"rank{i}.log"),
+                             passthrough=passthrough and i == 0, prefix=prefix))
+  return procs
+
+
 def run_jobs(bed: Testbed, host_lists: Sequence[Sequence[int]], command: Sequence[str], *, log_root: str,
              devices_per_process: int = 1, pass_flags: bool = True, timeout: float | None = None,
              grace: float = 2.0, say: Callable[[str], None] = print) -> list[JobReport]:
@@ -59,18 +76,14 @@ def run_jobs(bed: Testbed, host_lists: Sequence[Sequence[int]], command: Sequenc
     name = str(j)
     log_dir = os.path.join(log_root, f"job{j}")
     os.makedirs(log_dir, exist_ok=True)
-    coordinator = f"{bed.addr(hosts[0])}:{bed.free_port(hosts[0])}"
-    n = len(hosts)
-    procs = []
-    for i, h in enumerate(hosts):
-      argv = bed.exec_argv(h, list(command) + (launch.distributed_flags(coordinator, n, i) if pass_flags else []))
-      env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
-          coordinator, n, i, devices_per_process, bed.host_name(h), job=name)))
-      procs.append(launch.Proc(name if several else "", i, argv, env, os.path.join(log_dir, f"rank{i}.log"),
-                               passthrough=(i == 0), prefix=f"[job{j}] " if several else ""))
+    procs = job_procs(bed, hosts, command, name, log_dir, devices_per_process=devices_per_process,
+                      pass_flags=pass_flags, prefix=f"[job{j}] " if several else "")
+    if not several:
+      for p in procs:
+        p.job = ""
     jobs[name] = procs
-    say(f"job {j}: {n} process(es) on host(s) {','.join(map(str, hosts))}, coordinator {coordinator}, "
-        f"logs in {log_dir}")
+    say(f"job {j}: {len(hosts)} process(es) on host(s) {','.join(map(str, hosts))}, coordinator "
+        f"{procs[0].env[launch.ENV_COORDINATOR]}, logs in {log_dir}")
   results = launch.run_jobs(jobs, timeout=timeout, grace=grace, say=say)
   reports = []
   for j, hosts in enumerate(host_lists):

@@ -1,4 +1,5 @@
-"""Reading collective instructions out of compiled HLO text: opcode, result type, replica groups.
+"""Reading compiled HLO text: collective instructions (opcode, result type, replica groups), the
+computations they sit in, while loops with their trip counts, and how often each computation runs.
 
 Shared by the benchmark's HLO check (microbench.bench.hlo_check) and the training step's communication
 fingerprint (microbench.train.comm_fingerprint): both must see what XLA really compiled, not what the
@@ -24,6 +25,9 @@ class HloCollective:
   op: str
   groups: tuple[tuple[int, ...], ...]  # replica groups, or source->target pairs for collective-permute
   text: str
+  element_types: tuple[str, ...] = ()  # of the result (outputs only, for async -start forms)
+  elements: int = 0                    # result elements per device, summed over tuple parts
+  computation: str = ""                # the computation the instruction sits in
 
 
 def _parse_list_of_lists(text: str) -> tuple[tuple[int, ...], ...]:
@@ -41,6 +45,26 @@ def parse_iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
   if m.group(4):
     ids = ids.transpose([int(p) for p in m.group(4).split(",")])
   return tuple(tuple(int(v) for v in row) for row in ids.reshape(g, s))
+
+
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+def parse_mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
+  """Expands the named-mesh replica-group form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`: device ids laid out
+  row-major over the mesh, one group per combination of the other axes, members along the named axes."""
+  m = _MESH_GROUPS.fullmatch(text.strip())
+  if not m:
+    raise ValueError(f"unrecognised replica groups {text!r}")
+  sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+  names = [k for k, _ in sizes]
+  grouped = re.findall(r"'([^']+)'", m.group(2))
+  if not sizes or any(g not in names for g in grouped):
+    raise ValueError(f"unrecognised replica groups {text!r}")
+  ids = np.arange(int(np.prod([v for _, v in sizes]))).reshape([v for _, v in sizes])
+  order = [i for i, k in enumerate(names) if k not in grouped] + [names.index(g) for g in grouped]
+  size = int(np.prod([dict(sizes)[g] for g in grouped])) if grouped else 1
+  return tuple(tuple(int(v) for v in row) for row in ids.transpose(order).reshape(-1, size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,21 +89,181 @@ def instructions(hlo_text: str) -> list[Instruction]:
 
 def find_collectives(hlo_text: str) -> list[HloCollective]:
   out = []
+  where = {}
+  for comp in computations(hlo_text).values():
+    for line in comp.lines:
+      where[line] = comp.name
   for ins in instructions(hlo_text):
     op, rest, line = ins.op, ins.rest, ins.line
     if op == "collective-permute":
       pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
       groups = _parse_list_of_lists(pm.group(1)) if pm else ()
     else:
-      gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)", rest)
+      gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
+                     r"mesh\[[^\]]*\]\s*\{[^}]*\})", rest)
       if not gm:
         groups = ()
+      elif gm.group(1).startswith("mesh"):
+        groups = parse_mesh_groups(gm.group(1))
       elif gm.group(1).startswith("["):
         groups = parse_iota_groups(gm.group(1))
       else:
         groups = _parse_list_of_lists(gm.group(1))
-    out.append(HloCollective(op, groups, line.strip()))
+    types, elements = result_arrays(ins.type_text, ins.async_start)
+    out.append(HloCollective(op, groups, line.strip(), tuple(types), elements, where.get(line, "")))
   return out
+
+
+_CONTEXT = ("u32", "s32")  # async -start tuples end with scalar context values
+
+
+def result_arrays(type_text: str, async_start: bool = False) -> tuple[list[str], int]:
+  """Element types and total element count of an instruction's result. An async `-start` returns
+  (operands, outputs[, contexts]): only the outputs count."""
+  arrays = [(dt, int(np.prod([int(d) for d in dims.split(",") if d] or [1])), dims)
+            for dt, dims in _ARRAY.findall(type_text)]
+  if async_start and type_text.lstrip().startswith("("):
+    while arrays and arrays[-1][0] in _CONTEXT and arrays[-1][2] == "":
+      arrays.pop()
+    if len(arrays) >= 2 and len(arrays) % 2 == 0:
+      arrays = arrays[len(arrays) // 2:]
+  return [a[0] for a in arrays], sum(a[1] for a in arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class Computation:
+  name: str
+  lines: tuple[str, ...]
+  entry: bool
+
+
+_COMP_HEAD = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\))?\s*->\s*.*\{\s*$")
+
+
+def computations(hlo_text: str) -> dict[str, Computation]:
+  """Every computation of a module, by name, with its instruction lines."""
+  out: dict[str, Computation] = {}
+  current, entry, lines = None, False, []
+  for line in hlo_text.splitlines():
+    if current is None:
+      m = _COMP_HEAD.match(line)
+      if m:
+        current, entry, lines = m.group("name"), bool(m.group("entry")), []
+    elif line.strip() == "}":
+      out[current] = Computation(current, tuple(lines), entry)
+      current = None
+    else:
+      lines.append(line)
+  return out
+
+
+_INSTR_ANY = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s"
+                        r"(?P<opcode>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
+_CALLEE = re.compile(r"\b(calls|body|condition|true_computation|false_computation|to_apply)=%?([\w.\-]+)")
+_CALLEES = re.compile(r"\b(branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+  """Any instruction line: name, opcode, result type text, the rest of the line."""
+  name: str
+  opcode: str
+  type_text: str
+  rest: str
+  line: str
+
+
+def parse_instruction(line: str) -> Instr | None:
+  m = _INSTR_ANY.match(line)
+  if not m:
+    return None
+  return Instr(m.group("name"), m.group("opcode"), m.group("type"), m.group("rest"), line)
+
+
+@dataclasses.dataclass(frozen=True)
+class WhileLoop:
+  computation: str  # where the while instruction is
+  body: str
+  condition: str
+  trip_count: int | None  # XLA's known_trip_count, None when the loop has none
+  line: str
+
+
+def while_loops(hlo_text: str, comps: dict[str, Computation] | None = None) -> list[WhileLoop]:
+  comps = comps if comps is not None else computations(hlo_text)
+  out = []
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse_instruction(line)
+      if ins is None or ins.opcode != "while":
+        continue
+      called = dict(_CALLEE.findall(ins.rest))
+      trip = _TRIP.search(ins.rest)
+      out.append(WhileLoop(comp.name, called.get("body", ""), called.get("condition", ""),
+                           int(trip.group(1)) if trip else None, line.strip()))
+  return out
+
+
+def _callees(ins: Instr) -> list[tuple[str, str]]:
+  """(kind, computation) pairs this instruction runs; reductions' `to_apply` and async -done/-update
+  (which name the computation their -start already runs) are left out."""
+  if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
+    return []
+  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply"]
+  for k, names in _CALLEES.findall(ins.rest):
+    out += [(k, c.strip().lstrip("%")) for c in names.split(",") if c.strip()]
+  return out
+
+
+def execution_counts(hlo_text: str) -> dict[str, int | None]:
+  """How many times each computation runs per execution of the module, following while bodies (times the
+  loop's known trip count), fusions, calls and async computations from the entry. None: unknown (a while
+  without known trip count, or a conditional branch, on the way)."""
+  comps = computations(hlo_text)
+  counts: dict[str, int | None] = {}
+
+  def visit(name: str, times: int | None, depth: int = 0) -> None:
+    if name not in comps or depth > 64:
+      return
+    prev = counts.get(name, 0)
+    counts[name] = None if prev is None or times is None else prev + times
+    for line in comps[name].lines:
+      ins = parse_instruction(line)
+      if ins is None:
+        continue
+      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      for kind, callee in _callees(ins):
+        if kind == "condition":
+          continue
+        if kind == "body":
+          factor = int(trip.group(1)) if trip else None
+        elif kind in ("branch_computations", "true_computation", "false_computation"):
+          factor = None
+        else:
+          factor = 1
+        visit(callee, None if times is None or factor is None else times * factor, depth + 1)
+
+  for comp in comps.values():
+    if comp.entry:
+      visit(comp.name, 1)
+  return counts
+
+
+def reachable(hlo_text: str, root: str) -> set[str]:
+  """Computations run from `root` (itself included), reductions' `to_apply` left out."""
+  comps = computations(hlo_text)
+  seen, todo = set(), [root]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for line in comps[name].lines:
+      ins = parse_instruction(line)
+      if ins is not None:
+        todo += [c for _, c in _callees(ins)]
+  return seen
 
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -87,13 +271,18 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 
 
-def array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
+def array_parts(type_text: str) -> list[tuple[str, int]]:
+  """(element type, bytes) of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
   out = []
   for dt, dims in _ARRAY.findall(type_text):
     if dt in _BYTES:
-      out.append(_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1])))
+      out.append((dt, _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))))
   return out
+
+
+def array_bytes(type_text: str) -> list[int]:
+  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
+  return [b for _, b in array_parts(type_text)]
 
 
 def group_size(rest: str, num_devices: int) -> int:
@@ -111,3 +300,77 @@ def group_size(rest: str, num_devices: int) -> int:
     if names and all(n in sizes for n in names):
       return int(np.prod([sizes[n] for n in names]))
   return num_devices
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Instruction lines placed in their loops: the communication fingerprint's view, which takes a loop without a
+# known trip count (and a conditional branch) once and flags the loop, where `execution_counts` says None.
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """A while loop: its body computation and XLA's known trip count (None: not known at compile time)."""
+  body: str
+  trip_count: int | None
+  times: int  # how many times the loop itself runs per module execution (1 unless nested)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+  """An instruction line with its computation and how many times it runs per module execution."""
+  line: str
+  computation: str
+  runs: int
+  loop: str | None  # innermost while body it sits in (directly or through calls), None at top level
+
+
+def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
+  """Every instruction line with its run count per execution of the module, and the module's loops.
+
+  A while body runs `known_trip_count` times per run of its while (XLA's WhileLoopTripCountAnnotator);
+  a loop without a known count is taken once and reported with `trip_count=None`. Called computations
+  (fusions, async wrappers, conditional branches) run once per call. Text without computation
+  headers (a fragment) counts every line once.
+  """
+  comps = computations(hlo_text)
+  if not comps:
+    return [Placed(line, "", 1, None) for line in hlo_text.splitlines()], []
+  entry = next((c.name for c in comps.values() if c.entry), None)
+  callers: dict[str, list[tuple[str, int, bool]]] = {}  # callee -> [(caller, factor, is_loop_body)]
+  trips: dict[str, int | None] = {}
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse_instruction(line)
+      if ins is None:
+        continue
+      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      for kind, callee in _callees(ins):
+        if kind == "condition":
+          continue
+        factor, is_body = 1, kind == "body"
+        if is_body:
+          trips[callee] = int(trip.group(1)) if trip else None
+          factor = trips[callee] or 1
+        callers.setdefault(callee, []).append((comp.name, factor, is_body))
+
+  runs: dict[str, int] = {}
+  loop_of: dict[str, str | None] = {}
+
+  def visit(name: str, stack: tuple[str, ...] = ()) -> int:
+    if name in runs:
+      return runs[name]
+    if name == entry or name not in callers or name in stack:
+      runs[name], loop_of[name] = (1 if name == entry else 0), None
+      return runs[name]
+    total, loop = 0, None
+    for caller, factor, is_body in callers[name]:
+      total += visit(caller, stack + (name,)) * factor
+      loop = loop or (name if is_body else loop_of.get(caller))
+    runs[name], loop_of[name] = total, loop
+    return total
+
+  placed = []
+  for name, comp in comps.items():
+    n = visit(name)
+    placed.extend(Placed(line, name, n, loop_of[name]) for line in comp.lines)
+  loops = [Loop(body, trip, visit(body) // (trip or 1)) for body, trip in trips.items() if body in comps]
+  return placed, loops

@@ -1,19 +1,103 @@
-"""What a sweep leaves behind: results.jsonl (flushed per point), meta.json and TensorBoard events.
+"""What a sweep leaves behind: results.jsonl (flushed per point), results.csv (the same records, flat, for
+spreadsheets), meta.json and TensorBoard events.
 
 Only process 0 writes; other processes get a writer that does nothing, so callers need no rank checks.
 """
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 from microbench.output.tensorboard import TensorBoardLog
 
 RESULTS = "results.jsonl"
+RESULTS_CSV = "results.csv"
 META = "meta.json"
+# Columns a reader looks for first; every other field follows in name order.
+CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count", "group_size", "num_groups",
+            "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "wrong", "status", "reason")
+
+
+# TensorBoard's x axis is the step, linear: with bytes as the step every size below the last few is crushed
+# against zero. The step is ten times log2 of the size, so every doubling is 10 steps (sweeps with a step
+# factor down to 1.07 keep distinct steps) and the exact bytes stay in the records.
+SIZE_STEP_TEXT = ("Collective sweeps use **step = round(10 x log2(bytes))**: 100 = 1 KiB, 110 = 2 KiB, 150 = 32 KiB,"
+                  " 200 = 1 MiB, 240 = 16 MiB, 300 = 1 GiB. Exact sizes are in results.jsonl. Set smoothing to 0:"
+                  " a size sweep is not a noisy time series.")
+_BY_COLLECTIVE = "per collective: a line per scope/dtype; step = 10 log2(bytes)"
+_BY_SCOPE = "per scope: a line per collective/dtype; step = 10 log2(bytes)"
+METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"))
+
+
+def size_step(nbytes: int) -> int:
+  return round(10 * math.log2(nbytes))
+
+
+def sweep_layout(collectives: Sequence[str], scopes: Sequence[str]) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+  """Custom Scalars: per metric, one chart per collective (a line per scope and dtype) and one chart per scope
+  (a line per collective and dtype). Titles are the same in every run, so TensorBoard merges runs' charts."""
+  cats = []
+  for tag, name in METRICS:
+    cats.append((f"{name} {_BY_COLLECTIVE}", [(f"{c}: {name}", [f"^{tag}/{c}/"]) for c in collectives]))
+  for tag, name in METRICS:
+    cats.append((f"{name} {_BY_SCOPE}", [(f"{s}: {name}", [f"^{tag}/[^/]+/{s}/"]) for s in scopes]))
+  return cats
+
+
+def point_key(rec: dict[str, Any]) -> tuple:
+  return (rec["collective"], rec["scope"], rec["dtype"], rec["requested_bytes"])
+
+
+def point_keys(rec: dict[str, Any]) -> list[tuple]:
+  """The requested points a record answers (several requested sizes may round to one count, measured once)."""
+  return [(rec["collective"], rec["scope"], rec["dtype"], b)
+          for b in [rec["requested_bytes"], *rec.get("also_requested", [])]]
+
+
+def latest(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One record per point, the last one written (a resumed run may re-measure skipped points)."""
+  return list({point_key(r): r for r in records}.values())
+
+
+def flatten(rec: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+  """One level of columns: nested objects become `outer.inner`; lists stay one cell (JSON text)."""
+  out: dict[str, Any] = {}
+  for k, v in rec.items():
+    if isinstance(v, dict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _cell(v: Any) -> str:
+  if v is None:
+    return ""
+  if isinstance(v, (bool, list)):
+    return json.dumps(v)  # true/false and [..] as in the JSONL
+  return repr(v) if isinstance(v, float) else str(v)
+
+
+def write_csv(path: str, records: list[dict[str, Any]]) -> None:
+  """All records as one table (the union of their fields), replaced atomically so a reader never sees
+  half a file; a field a record lacks is an empty cell."""
+  rows = [flatten(r) for r in records]
+  names = {k for row in rows for k in row}
+  columns = [c for c in CSV_LEAD if c in names] + sorted(names - set(CSV_LEAD))
+  tmp = path + ".tmp"
+  with open(tmp, "w", newline="", encoding="utf-8") as f:
+    w = csv.writer(f)
+    w.writerow(columns)
+    for row in rows:
+      w.writerow([_cell(row.get(c)) for c in columns])
+  os.replace(tmp, path)
+
 
 def read_results(outdir: str) -> list[dict[str, Any]]:
   """Every complete JSON line of a run's results (a torn last line from a crash is ignored)."""
@@ -39,7 +123,7 @@ def read_meta(outdir: str) -> dict[str, Any] | None:
 
 
 class RunOutputs:
-  """Writes a run folder: one JSON line and TensorBoard points per finished point, as it finishes."""
+  """Writes a run folder: one JSON line, the CSV and TensorBoard points per finished point, as it finishes."""
 
   def __init__(self, outdir: str, enabled: bool = True, stream: TextIO = sys.stdout):
     self.outdir = outdir
@@ -50,6 +134,7 @@ class RunOutputs:
     if enabled:
       os.makedirs(outdir, exist_ok=True)
       self._repair_torn_tail()
+      self._rows = read_results(outdir)  # a resumed run's CSV keeps the earlier points
       self._results = open(os.path.join(outdir, RESULTS), "a")
       self._tb = TensorBoardLog(outdir)
 
@@ -78,16 +163,24 @@ class RunOutputs:
     if self._tb:
       self._tb.text(tag, text)
 
+  def layout(self, collectives: Sequence[str], scopes: Sequence[str]) -> None:
+    """The Custom Scalars layout of this sweep and the x axis explained (the run's `x_axis` text)."""
+    if self._tb:
+      self._tb.custom_scalars(sweep_layout(collectives, scopes))
+      self._tb.text("x_axis", SIZE_STEP_TEXT)
+
   def record(self, rec: dict[str, Any]) -> None:
     if not self.enabled:
       return
     self._results.write(json.dumps(rec, sort_keys=True) + "\n")
     self._results.flush()
     os.fsync(self._results.fileno())
+    self._rows.append(rec)
+    write_csv(os.path.join(self.outdir, RESULTS_CSV), self._rows)
     if rec["status"] == "ok":
       base = f"{rec['collective']}/{rec['scope']}/{rec['dtype']}"
-      self._tb.scalar(f"busbw_gbps/{base}", rec["busbw_gbps"], rec["bytes"])
-      self._tb.scalar(f"time_us/{base}", rec["time_us"], rec["bytes"])
+      for tag, _ in METRICS:
+        self._tb.scalar(f"{tag}/{base}", rec[tag], size_step(rec["bytes"]))
 
   def close(self) -> None:
     if self._results:

@@ -18,8 +18,12 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['scope']:>10} {r.get('group_size', ''):>4} {r.get('num_groups', ''):>4}  "
             f"{r['status']}: {r.get('reason', '')}")
   flag = ""
+  if r.get("wire_dtype") and r["wire_dtype"] != r["dtype"]:
+    flag += f"  wire {r['wire_dtype']}"
+  if str(r.get("time_method", "")).startswith("long-arm"):
+    flag += "  UNRESOLVED (long-arm average)"
   if r.get("straggler"):
-    flag = f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
+    flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
   return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=r["dtype"], scope=r["scope"],
                      group_size=r["group_size"], num_groups=r["num_groups"], time=f"{r['time_us']:.2f}",

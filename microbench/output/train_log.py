@@ -1,5 +1,9 @@
 """What a training run leaves behind: metrics.jsonl (config, a line per step, summary) and TensorBoard
-scalars and text, written by process 0 only (other processes pass no folder and write nothing)."""
+scalars, text and HParams, written by process 0 only (other processes pass no folder and write nothing).
+
+Per-step curves use the step; the summary is written at one fixed step (SUMMARY_STEP) for every run, so
+runs of different lengths line up, and the run is an HParams session: its configuration as hyperparameters
+and its summary scalars as metrics, so the HParams table and parallel coordinates compare strategies."""
 
 from __future__ import annotations
 
@@ -12,6 +16,23 @@ import numpy as np
 from microbench.output.tensorboard import TensorBoardLog
 
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_STEP = 0
+# HParams columns (name -> type) from the config line, and metric tags with their display names. Every run
+# writes this same experiment (TensorBoard reads one of them), so it lists what any model may report.
+HPARAMS = {"model": "string", "size": "string", "layers": "number", "parallelism": "string",
+           "placement": "string", "mesh": "string", "batch": "number", "seq_len": "number", "dtype": "string",
+           "devices": "number", "processes": "number", "topology": "string", "device_kind": "string",
+           "remat": "string", "grad_accum": "number", "attention_impl": "string", "scan_layers": "bool"}
+HPARAMS_LEAD = ("model", "size", "parallelism", "placement", "devices")  # the columns shown by default
+COMM_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+HPARAM_METRICS = {
+    "summary/tokens_per_s_per_device": "tokens/s per device", "summary/images_per_s_per_device": "images/s per device",
+    "summary/tokens_per_s": "tokens/s", "summary/images_per_s": "images/s", "summary/mfu": "MFU (causal)",
+    "summary/mfu_full_attention": "MFU (full attention)",
+    "summary/tflops_per_device": "TFLOP/s per device", "summary/median_step_time_s": "step time (s)",
+    "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/compile_time_s": "compile time (s)",
+    **{f"summary/comm_bytes/{op}": f"{op} bytes per step per device" for op in COMM_OPS},
+}
 
 
 class TrainLog:
@@ -39,6 +60,22 @@ class TrainLog:
   def text(self, tag: str, text: str, step: int = 0) -> None:
     if self._tb:
       self._tb.text(tag, text, step)
+
+  def hparams(self, config: dict[str, Any]) -> None:
+    """The run as an HParams session: the configuration's values (those set) as hyperparameters."""
+    if self._tb:
+      self._tb.hparams_experiment(HPARAMS, HPARAM_METRICS, HPARAMS_LEAD)
+      self._tb.hparams_session_start({k: config[k] for k in HPARAMS if config.get(k) is not None})
+
+  def summary(self, summary: dict[str, Any]) -> None:
+    """Every numeric summary figure as `summary/<name>` and the bytes per collective type as
+    `summary/comm_bytes/<op>`, all at SUMMARY_STEP; then the session ends."""
+    values = {f"summary/{k}": float(v) for k, v in summary.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    values.update({f"summary/comm_bytes/{op}": float(c["bytes"]) for op, c in (summary.get("comm") or {}).items()})
+    self.scalars(values, SUMMARY_STEP)
+    if self._tb:
+      self._tb.hparams_session_end(ok=True)
 
   def close(self) -> None:
     if self._jsonl:

@@ -18,9 +18,11 @@ import numpy as np
 from meshes import parallelism as par
 from meshes.topology import Topology, TopologyError, parse_topology
 from models import ModelError, ModelSpec, get_model
+from models.layers import REMAT_POLICIES
 from models.train_step import Trainer, variable_spec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+ATTENTION_CHOICES = ("auto", "xla", "cudnn")
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,12 @@ class TrainConfig:
   warmup_steps: int = 2
   dtype: str = "float32"
   learning_rate: float = 3e-4
+  clip_norm: float = 1.0  # global gradient-norm clipping; 0: off
+  grad_accum: int = 1  # microbatches per step
+  remat: str = "dots_with_no_batch_dims_saveable"
+  scan_layers: bool = True
+  attention: str = "auto"  # auto: cuDNN's fused kernel on NVIDIA GPUs where it applies, XLA elsewhere
+  compile_only: bool = False  # compile and report memory, FLOPs and communication; run nothing
   seed: int = 0
   capacity_factor: float | None = None  # MoE expert capacity (model default when None; <= 0: dropless)
   moe_dispatch: str | None = None  # MoE token exchange (models.moe.DISPATCHES; default auto)
@@ -64,6 +72,8 @@ class Plan:
   topology_note: str
   mesh: jax.sharding.Mesh
   placement: dict[str, str]
+  attention: str = "xla"  # the implementation that runs ("auto" resolved)
+  attention_note: str = ""  # why
 
 
 def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
@@ -85,6 +95,17 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
                       " needs at least one step after warm-up")
   if cfg.profile_steps < 0:
     raise ConfigError(f"--profile_steps={cfg.profile_steps} must be >= 0")
+  if cfg.remat not in REMAT_POLICIES:
+    raise ConfigError(f"--remat={cfg.remat}: choose one of {', '.join(REMAT_POLICIES)}")
+  if cfg.attention not in ATTENTION_CHOICES:
+    raise ConfigError(f"--attention={cfg.attention}: choose one of {', '.join(ATTENTION_CHOICES)}")
+  if cfg.grad_accum < 1:
+    raise ConfigError(f"--grad_accum={cfg.grad_accum} must be >= 1")
+  if cfg.clip_norm < 0:
+    raise ConfigError(f"--clip_norm={cfg.clip_norm} must be >= 0 (0 turns clipping off)")
+  if cfg.grad_accum > 1 and spec.family == "resnet":
+    raise ConfigError("--grad_accum applies to the transformer models; ResNet's BatchNorm statistics would"
+                      " differ per microbatch")
   if parallelism is not None and (tp := parallelism.degree("tp")) > 1:
     for what, n in spec.tp_dims().items():
       if n % tp:
@@ -141,9 +162,47 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
                            if "batch" in s.shards and parallelism.degree(s.flag) > 1) or "dp"
     raise ConfigError(f"--batch={cfg.batch} is not divisible by {splitters} = {parallelism.batch_shards}:"
                       " every batch shard needs the same number of examples")
+  if cfg.batch % (parallelism.batch_shards * cfg.grad_accum):
+    raise ConfigError(f"--batch={cfg.batch} is not divisible by dp x fsdp x grad_accum ="
+                      f" {parallelism.batch_shards * cfg.grad_accum}: every microbatch needs the same number of"
+                      " examples on every batch shard")
   mesh = par.build_mesh(parallelism, devices, order)
+  attention, why = choose_attention(cfg.attention, spec, cfg.dtype, devices[0], parallelism)
   return Plan(cfg, spec, parallelism, order, topology, note, mesh,
-              par.describe_placement(parallelism, order, topology))
+              par.describe_placement(parallelism, order, topology), attention, why)
+
+
+def _cudnn_obstacle(spec: ModelSpec, dtype: str, device: jax.Device, parallelism: par.Parallelism) -> str | None:
+  """Why cuDNN's fused attention can't run this request (None: it can), checked before anything compiles."""
+  version = getattr(getattr(device, "client", None), "platform_version", "") or ""
+  if device.platform != "gpu" or "rocm" in version.lower():
+    return f"cuDNN attention needs an NVIDIA GPU (this is {device.device_kind}, platform {device.platform})"
+  if dtype != "bfloat16":
+    return f"cuDNN attention needs bfloat16 compute (--dtype={dtype})"
+  capability = tuple(int(x) for x in str(getattr(device, "compute_capability", "0.0")).split(".")[:2])
+  if capability < (8, 0):
+    return f"cuDNN flash attention needs compute capability >= 8.0 (this GPU has {capability})"
+  head_dim, limit = spec.config.block.head_dim, 256 if capability >= (9, 0) else 128
+  if head_dim % 8 or head_dim > limit:
+    return f"cuDNN attention needs a head dimension that is a multiple of 8 and <= {limit} (this model: {head_dim})"
+  if parallelism.axis_sizes.get("context", 1) > 1:
+    return "cuDNN attention can't take a sequence-sharded input (context parallelism)"
+  return None
+
+
+def choose_attention(requested: str, spec: ModelSpec, dtype: str, device: jax.Device,
+                     parallelism: par.Parallelism) -> tuple[str, str]:
+  """The attention implementation to run and why: `auto` takes cuDNN's fused kernel where it applies."""
+  if not spec.has_blocks:
+    return "xla", "no attention layers"
+  obstacle = _cudnn_obstacle(spec, dtype, device, parallelism)
+  if requested == "cudnn":
+    if obstacle:
+      raise ConfigError(f"--attention=cudnn: {obstacle}; use --attention=auto or xla")
+    return "cudnn", "requested"
+  if requested == "xla":
+    return "xla", "requested"
+  return ("xla", f"auto: {obstacle}") if obstacle else ("cudnn", "auto: NVIDIA GPU, bfloat16, supported head size")
 
 
 def check_shardable(trainer: Trainer, p: Plan) -> None:

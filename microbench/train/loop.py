@@ -2,7 +2,8 @@
 
 `run` compiles the step ahead of time (compile time, memory and the communication fingerprint come from
 the compiled program), runs it, and writes one JSONL file (config, a line per step, summary),
-TensorBoard scalars and text, and optionally a profiler trace. Only process 0 writes.
+TensorBoard scalars and text, and optionally a profiler trace. Only process 0 writes. `compile_only`
+stops after the compile and reports what the program would need.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import jax
 import numpy as np
 
 from meshes import parallelism as par
+from microbench.cluster import environment
 from microbench.output.train_log import TrainLog
 from microbench.train import comm_fingerprint, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
+from models.layers import Execution
 from models.optimizer import AdamWConfig, adamw
 from models.train_step import Trainer
 
@@ -29,6 +32,15 @@ from models.train_step import Trainer
 def _markdown(d: dict[str, Any]) -> str:
   rows = [f"| {k} | {json.dumps(v) if isinstance(v, (dict, list)) else v} |" for k, v in d.items()]
   return "| key | value |\n|---|---|\n" + "\n".join(rows)
+
+
+def _mib(b: float) -> str:
+  return f"{b / 2**20:.1f} MiB"
+
+
+def _comm_text(comm: dict[str, Any] | None) -> str:
+  return ", ".join(f"{op} x{c['count']} {c['bytes'] / 2**20:.2f} MiB"
+                   f" ({'/'.join(c.get('dtypes', {}))})" for op, c in (comm or {}).items()) or "none"
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -39,21 +51,42 @@ def format_table(summary: dict[str, Any]) -> str:
       ("model", f"{s['model']}-{s['size']} ({s['layers']} layers, {s['params'] / 1e6:.2f}M params)"),
       ("parallelism", f"{s['parallelism']}  mesh {s['mesh']}"),
       ("placement", "; ".join(f"{a}={w}" for a, w in s["placement"].items()) or "one device"),
-      ("batch / seq / dtype", f"{s['batch']} / {s['seq_len']} / {s['dtype']}"),
-      ("median step time", f"{s['median_step_time_s'] * 1e3:.2f} ms over {s['timed_steps']} steps"),
-      (f"{item}/s", f"{s[f'{item}_per_s']:.1f} global, {s[f'{item}_per_s_per_device']:.1f} per device"),
-      ("model FLOPs / step", f"{s['flops_per_step']:.4g}  [{s['flops_formula']}]"),
-      ("TFLOP/s per device", f"{s['tflops_per_device']:.4f}"),
-      ("peak TFLOP/s / device", f"{s['peak_tflops_per_device']:.4f}  [{s['peak_source']}]"),
-      ("MFU", f"{100 * s['mfu']:.2f} %"),
-      ("memory per device", f"{s['memory_per_device_bytes'] / 2**20:.1f} MiB (args {s['memory']['argument_bytes'] / 2**20:.1f},"
-       f" temp {s['memory']['temp_bytes'] / 2**20:.1f} MiB)"),
-      ("compile time", f"{s['compile_time_s']:.2f} s"),
-      ("final loss", f"{s['final_loss']:.4f}"),
+      ("batch / seq / dtype", f"{s['batch']} / {s['seq_len']} / {s['dtype']}"
+       + (f", {s['grad_accum']} microbatches" if s.get("grad_accum", 1) > 1 else "")),
+      ("layers run as", f"{'scan' if s['scan_layers'] else 'unrolled'}, remat {s['remat']},"
+       f" attention {s['attention']} ({s['attention_note']})"),
   ]
-  comm = s["comm"] or {}
-  rows.append(("comm / step / device", ", ".join(f"{op} x{c['count']} {c['bytes'] / 2**20:.2f} MiB"
-                                                  for op, c in comm.items()) or "none"))
+  if s["kind"] == "summary":
+    rows += [
+        ("median step time", f"{s['median_step_time_s'] * 1e3:.2f} ms over {s['timed_steps']} steps"),
+        (f"{item}/s", f"{s[f'{item}_per_s']:.1f} global, {s[f'{item}_per_s_per_device']:.1f} per device"),
+    ]
+  rows.append(("model FLOPs / step", f"{s['flops_per_step']:.4g} [{s['flops_formula']}]"))
+  if s["kind"] == "summary":
+    mfu = "n/a (no peak for this device)" if s["mfu"] is None else \
+        f"{100 * s['mfu']:.2f} % (causal attention counted half; {100 * s['mfu_full_attention']:.2f} % counting it in full)"
+    peak = "none" if s["peak_tflops_per_device"] is None else f"{s['peak_tflops_per_device']:.4f}"
+    rows += [
+        ("TFLOP/s per device", f"{s['tflops_per_device']:.4f}"),
+        ("peak TFLOP/s / device", f"{peak}  [{s['peak_source']}]"),
+        ("MFU", mfu),
+    ]
+  m = s["memory"]
+  rows.append(("memory per device", f"{_mib(s['memory_per_device_bytes'])} (args {_mib(m['argument_bytes'])},"
+                                    f" temp {_mib(m['temp_bytes'])}, out {_mib(m['output_bytes'])},"
+                                    f" aliased {_mib(m['alias_bytes'])})"))
+  if s.get("device_memory_bytes"):
+    rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
+                         f" {_mib(s['device_memory_bytes'])} per device"))
+  rows.append(("compile time", f"{s['compile_time_s']:.2f} s"))
+  if s["kind"] == "summary":
+    rows.append(("final loss / grad norm", f"{s['final_loss']:.4f} / {s['final_grad_norm']:.4f}"))
+  rows.append(("comm / step / device", _comm_text(s["comm"])))
+  for loop in s.get("comm_loops") or ():
+    trips = "unknown trip count, counted once" if loop["trip_count"] is None else f"x{loop['trip_count']}"
+    rows.append(("  in a loop", f"{trips} per step: {_comm_text(loop['ops'])} per iteration"))
+  if s.get("comm_note"):
+    rows.append(("  note", s["comm_note"]))
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
 
@@ -86,11 +119,25 @@ def _memory(compiled) -> dict[str, int]:
           "code_bytes": int(m.generated_code_size_in_bytes)}
 
 
-def _hlo_flops(compiled) -> float | None:
+def _hlo_flops(compiled, loops: list[dict[str, Any]]) -> float | None:
+  """XLA's FLOP count of the compiled program, or None where it would mislead: XLA's cost analysis counts
+  a while-loop body once, so with scanned layers (or microbatches) it undercounts by the trip count."""
+  if any((lp["trip_count"] or 1) > 1 for lp in loops):
+    return None
   try:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost["flops"])
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _device_memory(device: jax.Device) -> int | None:
+  """The accelerator's usable memory (XLA's allocator limit), None on CPU or where unknown."""
+  if device.platform == "cpu":
+    return None
+  try:
+    return int((device.memory_stats() or {}).get("bytes_limit")) or None
   except Exception:  # pylint: disable=broad-except
     return None
 
@@ -100,34 +147,47 @@ def _scalar(x: jax.Array) -> float:
 
 
 def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
-  """Trains `cfg.steps` steps (+ `cfg.profile_steps` traced ones) and reports; returns the figures."""
+  """Trains `cfg.steps` steps (+ `cfg.profile_steps` traced ones) and reports; returns the figures.
+
+  With `cfg.compile_only`, compiles the step for the mesh and reports memory per device, model FLOPs and
+  the communication fingerprint without creating parameters or running anything (MaxText's
+  train_compile): whether a shape fits is known before a cluster is booked.
+  """
   p = p or plan(cfg)
   cfg, spec, mesh = p.cfg, p.spec, p.mesh
   n = mesh.size
   writer_on = cfg.write and jax.process_index() == 0
   say = print if (cfg.verbose and jax.process_index() == 0) else (lambda *a, **k: None)
 
-  tx = adamw(AdamWConfig(learning_rate=cfg.learning_rate))
-  trainer = Trainer(spec, mesh, DTYPES[cfg.dtype], tx, cfg.batch, cfg.seed)
+  tx = adamw(AdamWConfig(learning_rate=cfg.learning_rate, clip_norm=cfg.clip_norm))
+  execution = Execution(remat=cfg.remat, scan=cfg.scan_layers, attention=p.attention)
+  trainer = Trainer(spec, mesh, DTYPES[cfg.dtype], tx, cfg.batch, cfg.seed, execution=execution,
+                    grad_accum=cfg.grad_accum)
   check_shardable(trainer, p)
 
   layers = getattr(spec.config, "num_layers", len(getattr(spec.config, "stage_blocks", ())))
   mesh_text = " ".join(f"{a}={mesh.shape[a]}" for a in p.axis_order if mesh.shape[a] > 1) or "1 device"
+  device = mesh.devices.flat[0]
   hidden = ("write", "verbose", "compiler_options")
   config_record = {
       "kind": "config", **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in hidden},
       "size": spec.size, "layers": layers, "seq_len": spec.seq_len, "params": trainer.num_params,
       "mesh": mesh_text, "mesh_axes": list(p.axis_order), "mesh_shape": [mesh.shape[a] for a in p.axis_order],
       "placement_map": p.placement, "topology": str(p.topology), "topology_note": p.topology_note,
-      "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": mesh.devices.flat[0].device_kind,
+      "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": device.device_kind,
+      "attention_impl": p.attention, "attention_note": p.attention_note,
       "processes": jax.process_count(), "jax_version": jax.__version__,
+      "environment": environment.capture() if writer_on else None,
   }
   run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
   out = TrainLog(run_dir)
   out.line(config_record)
-  out.text("config", _markdown({k: v for k, v in config_record.items() if k != "kind"}))
+  out.hparams(config_record)
+  out.text("config", _markdown({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
   say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
       f" {p.topology_note}")
+  for line in environment.header(config_record["environment"]) if writer_on else []:
+    say(" " + line[1:])
   say(f"  mesh {mesh_text} (axes outer->inner {','.join(p.axis_order)})")
   for axis, where in p.placement.items():
     say(f"  {axis:7s} {where}")
@@ -138,17 +198,46 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   compiled = trainer.compile_step(cfg.compiler_options)
   compile_s = time.perf_counter() - t0
   memory = _memory(compiled)
-  comm = comm_fingerprint.comm_fingerprint(compiled.as_text(), n)
-  hlo_flops = _hlo_flops(compiled)
+  report = comm_fingerprint.comm_report(compiled.as_text(), n)
+  comm, comm_loops = report["ops"], report["loops"]
+  comm_note = None
+  if device.platform == "cpu" and cfg.dtype == "bfloat16" and comm:
+    comm_note = ("on CPU, XLA's float-normalization-bf16 pass widens bfloat16 collectives to float32; the"
+                 " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
+  per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
+  device_memory = _device_memory(device)
+  item = spec.item_name
+  items = spec.items_per_step(cfg.batch)
+  flops = spec.step_flops(cfg.batch)
+  flops_full = spec.step_flops(cfg.batch, causal_half=False)
+  common = {
+      "model": spec.family, "size": spec.size, "layers": layers, "params": trainer.num_params,
+      "parallelism": str(p.parallelism), "mesh": mesh_text, "placement": p.placement, "topology": str(p.topology),
+      "devices": n, "device_kind": device.device_kind, "batch": cfg.batch, "seq_len": spec.seq_len,
+      "dtype": cfg.dtype, "grad_accum": cfg.grad_accum, "remat": cfg.remat, "scan_layers": cfg.scan_layers,
+      "attention": p.attention, "attention_note": p.attention_note, "item": item, f"{item}_per_step": items,
+      "flops_per_step": flops, "flops_per_step_full_attention": flops_full, "flops_formula": spec.flops_formula,
+      "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
+      "memory_per_device_bytes": per_device, "device_memory_bytes": device_memory,
+      "fits": None if device_memory is None else per_device <= device_memory,
+      "compile_time_s": compile_s, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
+  }
+
+  if cfg.compile_only:
+    summary = {"kind": "compile", **common}
+    out.line(summary)
+    out.text("compile", _markdown({k: v for k, v in summary.items() if k != "kind"}))
+    out.close()
+    say("compiled (not run):\n" + format_table(summary))
+    return Result([], [], summary, run_dir, trainer, None)
+
   params, rest, opt_state = trainer.init_state()
   make_batch = trainer.batch_fn()
   batch = make_batch(0)
   jax.block_until_ready(batch)
 
-  items = spec.items_per_step(cfg.batch)
-  flops = spec.step_flops(cfg.batch)
-  peak = peaks.device_peak(mesh.devices.flat[0], cfg.dtype, len(jax.local_devices()))
-  losses, times = [], []
+  peak = peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
+  losses, norms, times = [], [], []
   total = cfg.steps + cfg.profile_steps
   for step in range(total):
     profiled = step >= cfg.steps
@@ -156,45 +245,42 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       jax.profiler.start_trace(run_dir)
     t = time.perf_counter()
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      params, rest, opt_state, loss = compiled(params, rest, opt_state, batch)
-      loss_v = _scalar(loss)  # waits for the step
+      params, rest, opt_state, metrics = compiled(params, rest, opt_state, batch)
+      loss_v = _scalar(metrics["loss"])  # waits for the step
     dt = time.perf_counter() - t
+    norm_v = _scalar(metrics["grad_norm"])
     batch = make_batch(step + 1)  # next batch, generated on the devices outside the timed region
     losses.append(loss_v)
+    norms.append(norm_v)
     times.append(dt)
     tflops = flops / dt / n / 1e12
-    out.line({"kind": "step", "step": step, "loss": loss_v, "step_time_s": dt, "warmup": step < cfg.warmup_steps,
-              "profiled": profiled})
-    out.scalars({"train/loss": loss_v, "train/step_time_s": dt, f"train/{spec.item_name}_per_s": items / dt,
-                 "train/tflops_per_device": tflops, "train/mfu": tflops / peak.tflops}, step)
-    say(f"  step {step:4d}  loss {loss_v:.4f}  {dt * 1e3:9.2f} ms{'  (warm-up)' if step < cfg.warmup_steps else ''}"
-        f"{'  (profiled)' if profiled else ''}")
+    out.line({"kind": "step", "step": step, "loss": loss_v, "grad_norm": norm_v, "step_time_s": dt,
+              "warmup": step < cfg.warmup_steps, "profiled": profiled})
+    out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
+                 f"train/{item}_per_s": items / dt, "train/tflops_per_device": tflops,
+                 "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
+    say(f"  step {step:4d}  loss {loss_v:.4f}  grad norm {norm_v:.4f}  {dt * 1e3:9.2f} ms"
+        f"{'  (warm-up)' if step < cfg.warmup_steps else ''}{'  (profiled)' if profiled else ''}")
   if cfg.profile_steps and run_dir:
     jax.profiler.stop_trace()
 
   timed = times[cfg.warmup_steps:cfg.steps]
   med = statistics.median(timed)
   tflops = flops / med / n / 1e12
-  item = spec.item_name
+  tflops_full = flops_full / med / n / 1e12
   summary = {
-      "kind": "summary", "model": spec.family, "size": spec.size, "layers": layers, "params": trainer.num_params,
-      "parallelism": str(p.parallelism), "mesh": mesh_text, "placement": p.placement, "topology": str(p.topology),
-      "devices": n, "device_kind": config_record["device_kind"], "batch": cfg.batch, "seq_len": spec.seq_len,
-      "dtype": cfg.dtype, "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "timed_steps": len(timed),
-      "item": item, "median_step_time_s": med, "min_step_time_s": min(timed), "max_step_time_s": max(timed),
-      f"{item}_per_step": items, f"{item}_per_s": items / med, f"{item}_per_s_per_device": items / med / n,
-      "flops_per_step": flops, "flops_formula": spec.flops_formula, "tflops_per_device": tflops,
-      "peak_tflops_per_device": peak.tflops, "peak_source": peak.source, "mfu": tflops / peak.tflops,
-      "hlo_flops_per_device": hlo_flops, "memory": memory,
-      "memory_per_device_bytes": memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"]
-      - memory["alias_bytes"],
-      "compile_time_s": compile_s, "comm": comm, "final_loss": losses[cfg.steps - 1],
+      "kind": "summary", **common, "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "timed_steps": len(timed),
+      "median_step_time_s": med, "min_step_time_s": min(timed), "max_step_time_s": max(timed),
+      f"{item}_per_s": items / med, f"{item}_per_s_per_device": items / med / n,
+      "tflops_per_device": tflops, "tflops_per_device_full_attention": tflops_full,
+      "peak_tflops_per_device": peak.tflops, "peak_source": peak.source, "peak_calibration": peak.calibration,
+      "mfu": None if peak.tflops is None else tflops / peak.tflops,
+      "mfu_full_attention": None if peak.tflops is None else tflops_full / peak.tflops,
+      "final_loss": losses[cfg.steps - 1], "final_grad_norm": norms[cfg.steps - 1],
       "profile_dir": os.path.join(run_dir, "plugins", "profile") if (run_dir and cfg.profile_steps) else None,
   }
   out.line(summary)
-  out.scalars({f"summary/{k}": summary[k] for k in ("median_step_time_s", f"{item}_per_s",
-                                                     f"{item}_per_s_per_device", "tflops_per_device", "mfu",
-                                                     "compile_time_s", "memory_per_device_bytes")}, cfg.steps)
+  out.summary(summary)
   out.text("summary", _markdown({k: v for k, v in summary.items() if k != "kind"}), cfg.steps)
   out.close()
   say("summary:\n" + format_table(summary))

@@ -1,17 +1,22 @@
 """Peak dense matmul TFLOP/s per device, the denominator of MFU.
 
-Accelerators: vendor dense (not sparse) figures per JAX device. float32 compute on NVIDIA uses TF32
-tensor cores (JAX's default matmul precision), so its peak is the dense TF32 figure. An MI250X module
+Accelerators: the vendor's dense (not 2:4 sparse) figure, matched on the exact device kind JAX reports (the
+CUDA device name), never on a substring: an H100 PCIe must not get the SXM's peak, nor an H200 NVL the
+H200's. An unknown kind gets no peak and no MFU, with a note saying so. float32 compute on NVIDIA runs on
+TF32 tensor cores (JAX's default matmul precision), so its peak is the dense TF32 figure. An MI250X module
 is two GCDs and JAX sees each GCD as a device, so its per-device figure is half the module's.
-CPU has no spec sheet: a jitted matmul is timed and that is the peak, labelled as measured; the CPU
-devices of one process share its cores, so each gets an equal share.
+CPU has no spec sheet: a jitted matmul is timed in several calibration runs and their median is the peak,
+labelled as measured, with the spread in the record; the CPU devices of one process share its cores, so
+each gets an equal share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,59 +24,97 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
-  tflops: float  # per device
+  tflops: float | None  # per device; None: unknown, so no MFU
   source: str
+  calibration: dict[str, Any] | None = None  # CPU: the calibration runs
 
 
-# device_kind substring (checked in order, lower case) -> (bf16 dense, tf32/fp32-matrix dense) TFLOP/s.
-PEAK_TABLE: tuple[tuple[str, str, float, float], ...] = (
-    ("gh200", "NVIDIA GH200", 989.0, 494.0),
-    ("h200", "NVIDIA H200", 989.0, 494.0),
-    ("h100", "NVIDIA H100 SXM", 989.0, 494.0),
-    ("a100", "NVIDIA A100", 312.0, 156.0),
-    ("gb300", "NVIDIA GB300 (B300), unverified", 2500.0, 1250.0),
-    ("b300", "NVIDIA B300, unverified", 2500.0, 1250.0),
-    ("gb200", "NVIDIA GB200 (B200 class), unverified", 2250.0, 1100.0),
-    ("b200", "NVIDIA B200, unverified", 2250.0, 1100.0),
-    ("mi250x", "AMD MI250X, one GCD (half a module)", 191.5, 47.9),
+@dataclasses.dataclass(frozen=True)
+class PeakEntry:
+  kinds: tuple[str, ...]  # exact device_kind strings (CUDA device names) of this product
+  name: str
+  bf16: float  # dense TFLOP/s per device
+  tf32: float
+  cite: str
+
+
+# Dense figures are half the datasheets' "with sparsity" ones. Device names: what CUDA reports
+# (cudaDeviceProp.name), which is JAX's device_kind on NVIDIA GPUs.
+PEAK_TABLE: tuple[PeakEntry, ...] = (
+    PeakEntry(("NVIDIA H100 80GB HBM3",), "NVIDIA H100 SXM", 989.0, 494.5,
+              "NVIDIA H100 datasheet: H100 SXM BF16 1,979 / TF32 989 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA H100 PCIe",), "NVIDIA H100 PCIe", 756.0, 378.0,
+              "NVIDIA H100 datasheet: H100 PCIe BF16 1,513 / TF32 756 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA H100 NVL",), "NVIDIA H100 NVL", 835.0, 417.5,
+              "NVIDIA H100 datasheet: H100 NVL BF16 1,671 / TF32 835 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA H200",), "NVIDIA H200 (SXM)", 989.0, 494.5,
+              "NVIDIA H200 datasheet: H200 SXM BF16 1,979 / TF32 989 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA H200 NVL",), "NVIDIA H200 NVL", 835.0, 417.5,
+              "NVIDIA H200 datasheet: H200 NVL BF16 1,671 / TF32 835 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e"), "NVIDIA GH200", 989.0, 494.5,
+              "NVIDIA GH200 datasheet: H100-class GPU, BF16 1,979 / TF32 989 TFLOPS with sparsity"),
+    PeakEntry(("NVIDIA B200",), "NVIDIA B200 (HGX)", 2250.0, 1100.0,
+              "NVIDIA HGX B200 specifications: per GPU FP16/BF16 4.5 / TF32 2.2 PFLOPS with sparsity"),
+    PeakEntry(("NVIDIA GB200",), "NVIDIA GB200 (NVL72)", 2500.0, 1250.0,
+              "NVIDIA GB200 NVL72 specifications: per GPU FP16/BF16 5 / TF32 2.5 PFLOPS with sparsity"),
+    PeakEntry(("NVIDIA B300", "NVIDIA B300 SXM6 AC"), "NVIDIA B300 (HGX)", 2250.0, 1100.0,
+              "NVIDIA HGX B300 specifications: per GPU FP16/BF16 4.5 / TF32 2.2 PFLOPS with sparsity"),
+    PeakEntry(("NVIDIA GB300",), "NVIDIA GB300 (NVL72)", 2500.0, 1250.0,
+              "NVIDIA GB300 NVL72 specifications: per GPU FP16/BF16 5 / TF32 2.5 PFLOPS with sparsity"),
+    PeakEntry(("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"),
+              "NVIDIA A100", 312.0, 156.0,
+              "NVIDIA A100 datasheet: BF16 312 / TF32 156 TFLOPS dense (624 / 312 with sparsity)"),
+    PeakEntry(("AMD Instinct MI250X", "AMD Instinct MI250X/MI250"), "AMD MI250X, one GCD (half a module)", 191.5,
+              47.9, "AMD MI250X datasheet: BF16 383 / FP32 matrix 95.7 TFLOPS per module (two GCDs)"),
 )
+_BY_KIND = {kind: e for e in PEAK_TABLE for kind in e.kinds}
 
 
 def table_peak(device_kind: str, dtype: str) -> Peak | None:
-  """Spec-sheet peak for a device kind, or None if the kind is not in the table."""
-  kind = device_kind.lower()
-  for key, name, bf16, fp32 in PEAK_TABLE:
-    if key in kind:
-      value = bf16 if dtype == "bfloat16" else fp32
-      return Peak(value, f"{name} dense {'bf16' if dtype == 'bfloat16' else 'tf32/fp32'} spec")
-  return None
+  """Spec-sheet peak for a device kind matched exactly (surrounding spaces ignored), or None."""
+  e = _BY_KIND.get(device_kind.strip())
+  if e is None:
+    return None
+  bf16 = dtype == "bfloat16"
+  return Peak(e.bf16 if bf16 else e.tf32, f"{e.name} dense {'bf16' if bf16 else 'tf32/fp32'} spec ({e.cite})")
+
+
+def _time_matmul(f, a, b, reps: int) -> float:
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    f(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return best
 
 
 @functools.cache
-def measure_cpu_matmul_tflops(dtype: str = "float32", n: int = 1024, reps: int = 5) -> float:
-  """Best-of-`reps` TFLOP/s of an n x n x n jitted matmul on the first CPU device (all cores)."""
+def calibrate_cpu_matmul(dtype: str = "float32", n: int = 1024, runs: int = 5, reps: int = 3) -> dict[str, Any]:
+  """TFLOP/s of an n x n x n jitted matmul on the first CPU device (all cores): `runs` calibrations, each the
+  best of `reps` calls; the median is the peak, the spread `(max - min) / median` says how steady it was."""
   dev = jax.devices("cpu")[0]
   dt = jnp.dtype(dtype)
   a = jax.device_put(jnp.ones((n, n), dt), dev)
   b = jax.device_put(jnp.full((n, n), 0.5, dt), dev)
   f = jax.jit(lambda x, y: x @ y)
   f(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    f(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2.0 * n ** 3 / best / 1e12
+  values = [2.0 * n ** 3 / _time_matmul(f, a, b, reps) / 1e12 for _ in range(runs)]
+  med = statistics.median(values)
+  return {"tflops_runs": values, "median_tflops": med, "spread": (max(values) - min(values)) / med,
+          "matmul": f"{n}^3 {dtype}", "best_of": reps}
 
 
 def device_peak(device: jax.Device, dtype: str, local_devices: int) -> Peak:
   """Peak TFLOP/s of one device: the table for accelerators, a measured matmul on CPU."""
   if device.platform == "cpu":
-    machine = measure_cpu_matmul_tflops(dtype)
+    cal = calibrate_cpu_matmul(dtype)
+    machine = cal["median_tflops"]
     share = f", shared by {local_devices} CPU devices" if local_devices > 1 else ""
-    return Peak(machine / local_devices, f"measured CPU matmul peak ({dtype}, 1024^3, {machine:.3f} TFLOP/s"
-                f" per process{share})")
+    return Peak(machine / local_devices,
+                f"measured CPU matmul peak ({cal['matmul']}, median of {len(cal['tflops_runs'])} calibrations"
+                f" {machine:.3f} TFLOP/s per process, spread {100 * cal['spread']:.0f}%{share})", cal)
   peak = table_peak(device.device_kind, dtype)
   if peak is None:
-    return Peak(float("nan"), f"unknown device kind {device.device_kind!r}: no peak, no MFU")
+    return Peak(None, f"unknown device kind {device.device_kind!r}: no spec-sheet peak in"
+                " microbench/train/peaks.py, so no MFU (add the exact kind with its datasheet figure)")
   return peak

@@ -1,0 +1,344 @@
+"""`microbench-study`: the multi-tenancy interference study (flags only; the work is in microbench.study).
+
+  microbench-study plan   --machine=leonardo --patterns=A,E --out=plan/          # job mixes, one JSON each
+  microbench-study run    --plan=plan/ --backend=testbed|local|slurm --out=res/   # baselines + concurrent runs
+  microbench-study report --results=res/                                          # sigma, CIs, PNGs, Markdown
+  microbench-study proxy  --strategy=fsdp --gpus=16 ...   # one proxy job (what `run` launches; one process per GPU)
+  microbench-study schedule --strategy=fsdp --gpus=16 [--proxy_from=llama3-8b,fsdp]  # bytes per iteration
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+from absl import app, flags
+
+from microbench.cli import cluster_flags, runner
+
+FLAGS = flags.FLAGS
+NAME = "microbench-study"
+MODES = ("plan", "run", "report", "proxy", "schedule")
+
+# --- proxy / schedule
+flags.DEFINE_string("strategy", "dp", "proxy/schedule: dp, fsdp, dp+pp, dp+pp+tp or dp+pp+ep.")
+flags.DEFINE_string("model", None, "proxy/schedule: the proxy's model shape (default: the study's for the "
+                    "strategy: vit-h, llama3-8b, minerva-7b, llama3-70b, mixtral-8x7b).")
+flags.DEFINE_string("gpu", "A100", "GPU whose roofline times the emulated compute: A100, H100, H200, GH200, "
+                    "B200, B300, GB300, MI250X.")
+flags.DEFINE_integer("gpus", None, "proxy/schedule: ranks in the job (proxy default: the process count).",
+                     lower_bound=1)
+flags.DEFINE_string("proxy_from", None, "proxy/schedule: MODEL,STRATEGY (e.g. llama3-8b,fsdp or gpt2-tiny,dp): "
+                    "take the collective schedule from the compiled HLO of microbench-train's step instead.")
+flags.DEFINE_integer("batch", None, "proxy_from: global batch of the training step (default 16 per data rank).",
+                     lower_bound=1)
+flags.DEFINE_integer("seq_len", None, "proxy_from: tokens per example (default: the model's context).",
+                     lower_bound=1)
+flags.DEFINE_integer("layers", None, "proxy_from: override the model's depth.", lower_bound=1)
+flags.DEFINE_integer("iters", None, "proxy: timed iterations (default: the study's runs per strategy).",
+                     lower_bound=1)
+flags.DEFINE_integer("warmup", None, "proxy: untimed first iterations (default: the study's, 1).", lower_bound=0)
+flags.DEFINE_enum("compute", "sleep", ["sleep", "busy"], "Emulated compute: the host waits (sleep: no CPU used, "
+                  "collectives overlap) or a calibrated device kernel runs (busy).")
+flags.DEFINE_float("compute_scale", 1.0, "Multiply every emulated compute time (rehearsals: < 1).", lower_bound=0)
+flags.DEFINE_float("bytes_scale", 1.0, "Multiply every message size (rehearsals on slow networks: < 1).",
+                   lower_bound=0)
+flags.DEFINE_string("proxy_dtype", "bfloat16", "Element type of the proxy's buffers: bfloat16, float16, float32.")
+flags.DEFINE_string("out", None, "proxy: JSONL records (process 0). plan: plan folder. run: results folder.")
+flags.DEFINE_string("label", "", "proxy: a label copied into the header record.")
+
+# --- plan
+flags.DEFINE_string("machine", "testbed", "plan: leonardo, lumi, alps, jupiter, dgx, testbed or custom, with "
+                    "options: leonardo:nodes=64; testbed:racks=4,hosts_per_rack=2,gpus_per_node=1,groups=1,"
+                    "host_rate=400mbit,uplink_rate=100mbit; custom:gpus_per_node=4,nodes_per_l1=10,l1_per_group=18,"
+                    "nodes=64,gpu=H100.")
+flags.DEFINE_string("node_map", None, "plan: file of `hostname group l1` lines describing the allocation's nodes.")
+flags.DEFINE_list("patterns", ["A", "E"], "plan: allocation pattern families (A equal split, E stochastic tiers; "
+                  "B geometric, C hierarchical, D power law).")
+flags.DEFINE_float("rho_min", 0.8, "plan: lowest utilisation (share of the machine's GPUs allocated).")
+flags.DEFINE_float("rho_max", 1.0, "plan: highest utilisation.")
+flags.DEFINE_integer("rho_steps", 1, "plan: utilisations from rho_min to rho_max (1: rho_max only).", lower_bound=1)
+flags.DEFINE_integer("size_divisor", 1, "plan: divide the study's job sizes by this for small machines.",
+                     lower_bound=1)
+flags.DEFINE_list("strategies", None, "plan: strategies to mix (default: all five).")
+flags.DEFINE_integer("g_min", None, "plan: smallest job in GPUs (default: the study's max(8, 2 q1), scaled).",
+                     lower_bound=1)
+flags.DEFINE_integer("k_max", None, "plan: most jobs in a mix (default: GPUs / g_min).", lower_bound=2)
+flags.DEFINE_integer("stochastic_patterns", 3, "plan: pattern-E mixes per utilisation.", lower_bound=0)
+flags.DEFINE_integer("samples_per_bin", 4, "plan: strategy labellings per entropy bin and pattern.", lower_bound=1)
+flags.DEFINE_integer("placement_samples_per_bin", 1, "plan: placement vectors per locality bin and labelling.",
+                     lower_bound=1)
+flags.DEFINE_integer("enum_threshold", 5000, "plan: enumerate labellings up to this many, else rejection-sample.",
+                     lower_bound=1)
+flags.DEFINE_float("placement_med_hi", 2.33, "plan: locality score between the medium and high bins (the "
+                   "study's runs used 2.55 and 2.35).")
+flags.DEFINE_integer("max_experiments", None, "plan: keep at most this many experiments (the 3x3 placement x "
+                     "entropy grid is interleaved first, so a prefix covers it).", lower_bound=1)
+flags.DEFINE_integer("seed", 42, "plan: seed of every random choice (same seed, same plan).")
+flags.DEFINE_list("derive", None, "plan: STRATEGY=MODEL pairs (e.g. fsdp=llama3-8b,dp=vit-h14): that strategy's "
+                  "jobs run proxies derived from microbench-train's step of MODEL (see --proxy_from).")
+flags.DEFINE_multi_string("jobs", None, "plan: a hand-written mix instead of a generated one, one flag per job: "
+                          "STRATEGY[:MODEL]@NODES, e.g. dp@0,2 (GPUs = nodes x GPUs per node).")
+
+# --- run
+flags.DEFINE_string("plan", None, "run: the plan folder written by `plan`.")
+flags.DEFINE_enum("backend", "local", ["local", "testbed", "slurm"], "run: where jobs run: local processes, the "
+                  "emulated cluster (root; built for the plan's testbed machine unless --testbed_id), or srun steps "
+                  "inside the current SLURM allocation.")
+flags.DEFINE_bool("resume", False, "run: continue the study in --out (same settings), skipping finished units.")
+flags.DEFINE_integer("baseline_repeats", 1, "run: baseline runs per matching key.", lower_bound=1)
+flags.DEFINE_integer("small_job_threshold", 0, "run: jobs with fewer GPUs are small (respawned until every large "
+                     "job has finished once); 0: every job is large. The study used 512 on Leonardo.",
+                     lower_bound=0)
+flags.DEFINE_float("walltime", 600, "run: seconds a unit may take before the kill sequence.", lower_bound=1)
+flags.DEFINE_float("grace", 30, "run: seconds between SIGUSR1 and SIGKILL in the kill sequence.", lower_bound=0)
+flags.DEFINE_integer("max_failures", 3, "run: failed runs in a row after which a job fails its unit.",
+                     lower_bound=1)
+flags.DEFINE_list("experiments", None, "run: only these experiment ids (default: all).")
+flags.DEFINE_bool("baselines", True, "run: run the baselines (--nobaselines: concurrent runs only).")
+flags.DEFINE_string("testbed_id", None, "run --backend=testbed: use this running testbed instead of building one.")
+flags.DEFINE_string("srun_args", "", "run --backend=slurm: extra srun arguments (Alps: --mpi=cray_shasta "
+                    "--accel-bind=g).")
+flags.DEFINE_string("slurm_gpu_flag", "--gres=gpu:{n}", "run --backend=slurm: how a step asks for its GPUs per "
+                    "node ({n}); empty: ask for none.")
+
+# --- report
+flags.DEFINE_string("results", None, "report: the results folder written by `run`.")
+flags.DEFINE_string("report_dir", None, "report: where to write (default RESULTS/report).")
+flags.DEFINE_integer("drop_first", 1, "report: timed iterations dropped at the start of every run (the study's "
+                     "parser drops 1).", lower_bound=0)
+flags.DEFINE_bool("plots", True, "report: write the PNGs (needs matplotlib, the `report` extra).")
+
+
+def say(msg: str) -> None:
+  print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
+
+
+def _schedule(gpus: int, devices=None):
+  """The job's schedule (hand-written or derived from --proxy_from) and its unscaled version."""
+  from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
+  try:
+    if FLAGS.proxy_from:
+      from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
+      full = hlo_schedule.derive(FLAGS.proxy_from, gpus, gpu=FLAGS.gpu, batch=FLAGS.batch, seq_len=FLAGS.seq_len,
+                                 layers=FLAGS.layers, devices=devices)
+    else:
+      full = schedules.build(FLAGS.strategy, gpus, FLAGS.gpu, FLAGS.model)
+  except (workloads.WorkloadError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
+  return full.scaled(FLAGS.bytes_scale, FLAGS.compute_scale), full
+
+
+def _proxy() -> int:
+  from microbench.cluster import distributed  # pylint: disable=g-import-not-at-top
+  from microbench.study import workloads  # pylint: disable=g-import-not-at-top
+  try:
+    st = workloads.strategy(FLAGS.strategy)
+  except workloads.WorkloadError as e:
+    raise app.UsageError(str(e)) from None
+  if FLAGS.proxy_dtype not in ("bfloat16", "float16", "float32"):
+    raise app.UsageError(f"--proxy_dtype={FLAGS.proxy_dtype}: choose bfloat16, float16 or float32")
+  out = open(FLAGS.out, "a", encoding="utf-8") if FLAGS.out else None  # pylint: disable=consider-using-with
+
+  def stop(signum, frame):  # the study's kill sequence: SIGUSR1 ends a job at once, records already flushed
+    del signum, frame
+    if out:
+      out.flush()
+    os._exit(0)  # pylint: disable=protected-access
+  signal.signal(signal.SIGUSR1, stop)
+  distributed.initialize(cluster_flags.settings())
+  import jax  # pylint: disable=g-import-not-at-top
+  from microbench.study import proxy  # pylint: disable=g-import-not-at-top
+  job, full = _schedule(FLAGS.gpus or jax.process_count())
+  try:
+    proxy.run(job, iters=FLAGS.iters or st.runs, warmup=st.warmup if FLAGS.warmup is None else FLAGS.warmup,
+              out=out, compute=FLAGS.compute, dtype=FLAGS.proxy_dtype, label=FLAGS.label, full=full,
+              say=lambda m: say(m))
+  except proxy.ProxyError as e:
+    raise app.UsageError(str(e)) from None
+  finally:
+    if out:
+      out.close()
+  return 0
+
+
+def _schedule_report() -> int:
+  """Bytes per iteration of a proxy (and, with --proxy_from, of the hand-written one for the same strategy,
+  with the difference), without running anything; --proxy_from compiles the step on virtual CPU devices."""
+  from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
+  gpus = FLAGS.gpus or 8
+  devices = None
+  if FLAGS.proxy_from:
+    from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+    from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+    machine.prepare_cpu_devices(Topology(1, 1, gpus), False)
+    import jax  # pylint: disable=g-import-not-at-top
+    if len(jax.devices()) < gpus:
+      raise app.UsageError(f"--gpus={gpus} but only {len(jax.devices())} devices here (JAX_NUM_CPU_DEVICES)")
+    devices = jax.devices()[:gpus]
+  _, full = _schedule(gpus, devices)
+
+  def describe(job) -> dict:
+    rows = []
+    for r in sorted({0, gpus - 1}):
+      per = schedules.bytes_per_iteration(job, r)
+      rows.append({"rank": r, "bytes_per_iteration": per, "total_bytes": sum(per.values()),
+                   "compute_s": schedules.compute_seconds(job, r)})
+    return {"schedule": job.name, "gpus": gpus, "meta": job.meta, "ranks": rows}
+  out = {"proxy": describe(full)}
+  if FLAGS.proxy_from:
+    from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
+    strategy = hlo_schedule.parse_proxy_from(FLAGS.proxy_from)[2]
+    try:
+      hand = schedules.build(strategy, gpus, FLAGS.gpu, FLAGS.model)
+    except workloads.WorkloadError as e:
+      raise app.UsageError(str(e)) from None
+    out["hand_written"] = describe(hand)
+    out["comparison"] = hlo_schedule.compare(hand, full)
+    out["comparison"]["derived"].pop("meta")
+  print(json.dumps(out, indent=1, default=str))
+  return 0
+
+
+def _plan() -> int:
+  from microbench.study import generator, machines, workloads  # pylint: disable=g-import-not-at-top
+  if not FLAGS.out:
+    raise app.UsageError("--out=FOLDER is required (the plan's folder)")
+  try:
+    machine = machines.parse(FLAGS.machine, FLAGS.node_map)
+    settings = generator.Settings(
+        machine, patterns=tuple(p.strip().upper() for p in FLAGS.patterns), rho_min=FLAGS.rho_min,
+        rho_max=FLAGS.rho_max, rho_steps=FLAGS.rho_steps, size_divisor=FLAGS.size_divisor,
+        strategies=tuple(FLAGS.strategies or workloads.STRATEGIES), g_min=FLAGS.g_min, k_max=FLAGS.k_max,
+        n_stochastic=FLAGS.stochastic_patterns, n_per_bin=FLAGS.samples_per_bin,
+        n_placement_per_bin=FLAGS.placement_samples_per_bin, enum_threshold=FLAGS.enum_threshold,
+        placement_cuts=(1.67, FLAGS.placement_med_hi), max_experiments=FLAGS.max_experiments, seed=FLAGS.seed)
+    if FLAGS.jobs:
+      experiments, dropped = [generator.manual(machine, [_job_spec(j) for j in FLAGS.jobs])], {}
+    else:
+      experiments, dropped = generator.generate(settings)
+  except (machines.MachineError, generator.PlanError, workloads.WorkloadError) as e:
+    raise app.UsageError(str(e)) from None
+  if not experiments:
+    say(f"no experiment fits this machine and these settings (dropped: {dropped}); nothing written")
+    return 1
+  if FLAGS.derive:
+    _use_derived(experiments)
+  path = generator.write(FLAGS.out, settings, experiments, dropped, " ".join(sys.argv))
+  say(f"{len(experiments)} experiment(s) for {machine.name} ({machine.total_gpus} GPUs) -> {path}")
+  for e in experiments:
+    jobs = " ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']}" for j in e["jobs"])
+    print(f"{e['id']}  {e['pattern']['id']:7s} H={e['entropy_bin']:6s} P={e['placement_bin']:6s}  {jobs}")
+  return 0
+
+
+def _use_derived(experiments: list[dict]) -> None:
+  """--derive: jobs of the named strategies get `proxy_from` (their model becomes the training model's)."""
+  from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
+  from models import ModelError, get_model  # pylint: disable=g-import-not-at-top
+  mapping = {}
+  for item in FLAGS.derive:
+    strategy, eq, model = item.partition("=")
+    try:
+      family, size, strategy = hlo_schedule.parse_proxy_from(f"{model},{strategy}")
+      get_model(family, size)
+    except (ValueError, ModelError) as e:
+      raise app.UsageError(f"--derive={item}: {e}" if eq else f"--derive={item}: want STRATEGY=MODEL") from None
+    mapping[strategy] = model
+  for e in experiments:
+    for job in e["jobs"]:
+      if job["strategy"] in mapping:
+        try:
+          hlo_schedule.training_parallelism(job["strategy"], job["gpus"])
+        except ValueError as err:
+          raise app.UsageError(str(err)) from None
+        job["model"] = mapping[job["strategy"]]
+        job["proxy_from"] = f"{mapping[job['strategy']]},{job['strategy']}"
+
+
+def _job_spec(text: str) -> tuple[str, str | None, list[int]]:
+  head, at, nodes = text.partition("@")
+  strategy, _, model = head.partition(":")
+  node_list: list[int] = []
+  try:
+    for part in filter(None, (p.strip() for p in nodes.split(","))):
+      lo, dash, hi = part.partition("-")
+      node_list += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+  except ValueError:
+    node_list = []
+  if not at or not node_list:
+    raise app.UsageError(f"--jobs={text!r}: want STRATEGY[:MODEL]@NODES, e.g. dp@0,2 or fsdp:llama3-8b@0-3")
+  return strategy, model or None, node_list
+
+
+def _run() -> int:
+  from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+  from microbench.study import backends, runner  # pylint: disable=g-import-not-at-top
+  if not FLAGS.plan or not FLAGS.out:
+    raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required")
+  s = runner.RunSettings(
+      plan_dir=FLAGS.plan, out_dir=FLAGS.out, backend=FLAGS.backend, compute=FLAGS.compute,
+      compute_scale=FLAGS.compute_scale, bytes_scale=FLAGS.bytes_scale, iters=FLAGS.iters, warmup=FLAGS.warmup,
+      baseline_repeats=FLAGS.baseline_repeats, small_job_threshold=FLAGS.small_job_threshold,
+      walltime=FLAGS.walltime, grace=FLAGS.grace, max_failures=FLAGS.max_failures, dtype=FLAGS.proxy_dtype,
+      experiments=tuple(FLAGS.experiments or ()), baselines=FLAGS.baselines)
+  try:
+    _, experiments, machine = runner.prepare(s, FLAGS.resume)
+    unknown = set(s.experiments) - {e["id"] for e in experiments}
+    if unknown:
+      raise app.UsageError(f"--experiments: {', '.join(sorted(unknown))} not in the plan")
+    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
+                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
+  except runner.RunError as e:
+    raise app.UsageError(str(e)) from None
+  launch.install_signal_handlers()
+  try:
+    backend.open()
+    records = runner.run(s, backend, machine, experiments, say=say)
+  except (backends.BackendError, tbm.TestbedError) as e:
+    say(f"error: {e}")
+    return 1
+  except launch.Interrupted as e:
+    say(f"interrupted ({e}); `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
+    return 128 + e.signum
+  finally:
+    backend.close()
+  failed = [r["unit"] for r in records if r["status"] != "done"]
+  if failed:
+    say(f"{len(failed)} unit(s) failed: {', '.join(failed)}; `run --resume` runs them again")
+  say(f"results in {FLAGS.out}; `{NAME} report --results={FLAGS.out}` summarises them")
+  return 1 if failed else 0
+
+
+def _report() -> int:
+  from microbench.study import report  # pylint: disable=g-import-not-at-top
+  if not FLAGS.results:
+    raise app.UsageError("--results=RESULTS_FOLDER is required")
+  if not os.path.exists(os.path.join(FLAGS.results, "units.jsonl")):
+    raise app.UsageError(f"{FLAGS.results} holds no finished unit (no units.jsonl): run the study first")
+  out = report.build(FLAGS.results, FLAGS.report_dir, FLAGS.drop_first, FLAGS.plots, say=say)
+  with open(os.path.join(out["report_dir"], "report.md"), encoding="utf-8") as f:
+    print(f.read())
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  args = argv[1:]
+  mode = args.pop(0) if args and args[0] in MODES else None
+  if mode is None or args:
+    raise app.UsageError(f"want one mode of {', '.join(MODES)} (got {argv[1:] or 'none'}); see --help")
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report}[mode]()
+
+
+def run() -> None:
+  """Console-script entry point."""
+  runner.run(main, NAME, [__name__, cluster_flags.__name__])
+
+
+if __name__ == "__main__":
+  run()

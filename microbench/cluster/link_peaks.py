@@ -1,0 +1,166 @@
+"""Link peaks per fabric level, and the bus bandwidth they allow a collective over a scope.
+
+"How close to the hardware" needs a denominator. Each level of the machine has a link with a peak in
+GB/s per direction per rank: `scale_up` (inside a node: NVLink), `rack_scale` (between the nodes of one
+rack: an NVLink domain such as NVL72, else the same NICs as scale_out) and `scale_out` (between nodes:
+one NIC per GPU). The peaks come from the device kind (NVLink generation) or from
+`--link_peaks=scale_up:450,scale_out:ndr`; a level without one has no peak, and no share is claimed.
+
+A scope whose groups cross several levels (rack_scale, global) gets the busbw its links allow when every
+level runs at its peak and the levels overlap (an upper bound): for ring-style collectives level i costs
+(D_i - 1) / (D_i * P_i * W_i) per byte, where D_i is the group's extent at that level, P_i the number of
+group ranks inside one unit of the level below (each with its own link) and W_i the link peak; the bound
+is (n - 1) / n over the largest cost. This is why busbw over a hierarchy can exceed the slowest link: it
+is a flat-fabric equivalent (see README, "How close to the hardware").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+LEVELS = ("scale_up", "rack_scale", "scale_out")
+
+# name -> (GB/s per direction per rank, what it is, where the figure comes from)
+LINKS: dict[str, tuple[float, str, str]] = {
+    "nvlink3": (300.0, "NVLink 3 (A100 SXM): 12 links, 600 GB/s bidirectional per GPU",
+                "NVIDIA NVLink page (A100: twelve third-generation links, 600 GB/s total)"),
+    "nvlink4": (450.0, "NVLink 4 (H100/H200/GH200): 18 links, 900 GB/s bidirectional per GPU",
+                "NVIDIA Hopper architecture page (900 GB/s bidirectional per GPU)"),
+    "nvlink5": (900.0, "NVLink 5 (B200/GB200/B300/GB300): 18 links x 100 GB/s, 1.8 TB/s bidirectional per GPU",
+                "NVIDIA NVLink page (Blackwell: 18 links of 100 GB/s, 1.8 TB/s total)"),
+    "edr": (12.5, "InfiniBand EDR, 100 Gb/s per port", "InfiniBand data rates (EDR 4x 25 Gb/s lanes)"),
+    "hdr": (25.0, "InfiniBand HDR, 200 Gb/s per port", "NVIDIA Quantum HDR (200 Gb/s ports)"),
+    "ndr200": (25.0, "InfiniBand NDR200, 200 Gb/s per port (JUPITER)", "NVIDIA Quantum-2 (NDR200 split ports)"),
+    "ndr": (50.0, "InfiniBand NDR, 400 Gb/s per port", "NVIDIA Quantum-2 / ConnectX-7 (400 Gb/s ports)"),
+    "xdr": (100.0, "InfiniBand XDR, 800 Gb/s per port (ConnectX-8)", "NVIDIA Quantum-X800 (800 Gb/s ports)"),
+    "slingshot11": (25.0, "HPE Slingshot-11, 200 Gb/s per NIC (Cassini)",
+                    "HPE Slingshot: 64-port 200 Gb/s Rosetta switches, 200G Cassini NICs (ALCF Aurora docs)"),
+}
+
+# device_kind substring (lower case, checked in order) -> default link per level. NICs are not
+# visible from the device kind, and an NVLink domain spanning nodes is only known to the person who set
+# --nodes_per_rack, so only scale_up has defaults. PCIe and NVL (bridge) variants get none.
+DEVICE_LINKS: tuple[tuple[str, dict[str, str]], ...] = (
+    ("gb300", {"scale_up": "nvlink5"}), ("gb200", {"scale_up": "nvlink5"}),
+    ("b300", {"scale_up": "nvlink5"}), ("b200", {"scale_up": "nvlink5"}),
+    ("gh200", {"scale_up": "nvlink4"}), ("h200", {"scale_up": "nvlink4"}), ("h100", {"scale_up": "nvlink4"}),
+    ("a100", {"scale_up": "nvlink3"}),
+)
+_NO_NVLINK_DEFAULT = ("pcie", " nvl")
+
+# Which level each mesh axis crosses (meshes.topology's rack x node x gpu), inner to outer.
+AXIS_LEVEL = {"gpu": "scale_up", "node": "rack_scale", "rack": "scale_out"}
+AXIS_ORDER = ("gpu", "node", "rack")
+
+
+class LinkPeakError(ValueError):
+  """A --link_peaks value that can't be used; the message says what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelPeak:
+  gbps: float
+  link: str  # e.g. "nvlink4", "ndr", "450 GB/s"
+  source: str  # where the figure came from: the device kind, --link_peaks, or another level
+
+
+def parse(text: str | None) -> dict[str, LevelPeak]:
+  """`scale_up:450,scale_out:ndr` -> peaks per level (numbers in GB/s per direction per rank, or a link name)."""
+  out: dict[str, LevelPeak] = {}
+  if not text:
+    return out
+  for item in text.split(","):
+    level, sep, value = item.strip().partition(":")
+    if not sep or level not in LEVELS:
+      raise LinkPeakError(f"--link_peaks item {item.strip()!r}: expected LEVEL:VALUE with LEVEL one of"
+                          f" {', '.join(LEVELS)}, e.g. scale_up:450,scale_out:ndr")
+    value = value.strip().lower()
+    if value in LINKS:
+      out[level] = LevelPeak(LINKS[value][0], value, "--link_peaks")
+      continue
+    try:
+      gbps = float(value)
+    except ValueError:
+      gbps = float("nan")
+    if not math.isfinite(gbps) or gbps <= 0:
+      raise LinkPeakError(f"--link_peaks {level}:{value}: give GB/s per direction per rank (a positive"
+                          f" number) or a link name: {', '.join(LINKS)}")
+    out[level] = LevelPeak(gbps, f"{gbps:g} GB/s", "--link_peaks")
+  return out
+
+
+def resolve(device_kind: str, overrides: Mapping[str, LevelPeak] | None = None) -> dict[str, LevelPeak]:
+  """Peaks per level for this device kind, with `overrides` (from --link_peaks) taking precedence."""
+  peaks: dict[str, LevelPeak] = {}
+  kind = device_kind.lower()
+  if not any(s in kind for s in _NO_NVLINK_DEFAULT):
+    for key, links in DEVICE_LINKS:
+      if key in kind:
+        for level, link in links.items():
+          peaks[level] = LevelPeak(LINKS[link][0], link, f"default for {device_kind}")
+        break
+  peaks.update(overrides or {})
+  return peaks
+
+
+def describe(peaks: Mapping[str, LevelPeak]) -> dict[str, dict[str, object] | None]:
+  """meta.json's view: every level, null where unknown (rack_scale says when it uses scale_out's NICs)."""
+  out: dict[str, dict[str, object] | None] = {}
+  for level in LEVELS:
+    p = peaks.get(level)
+    if p is None and level == "rack_scale" and "scale_out" in peaks:
+      out[level] = {"gbps": peaks["scale_out"].gbps, "link": peaks["scale_out"].link,
+                    "source": "same NICs as scale_out (no rack_scale peak given)"}
+    else:
+      out[level] = None if p is None else dataclasses.asdict(p)
+  return out
+
+
+def _levels(axes: Sequence[str], extents: Mapping[str, int],
+            peaks: Mapping[str, LevelPeak]) -> list[tuple[int, float | None]] | None:
+  """(extent, GB/s) per physical link the scope's groups cross, inner to outer; axes over the same link
+  (nodes and racks over the same NICs) are one level."""
+  levels: list[tuple[str, int, float | None]] = []
+  for axis in AXIS_ORDER:
+    d = int(extents.get(axis, 1))
+    if axis not in axes or d < 2:
+      continue
+    level = AXIS_LEVEL[axis]
+    if level == "rack_scale" and level not in peaks:
+      level = "scale_out"  # no NVLink domain across nodes was given: the nodes of a rack talk over NICs
+    w = peaks[level].gbps if level in peaks else None
+    if levels and levels[-1][0] == level:
+      levels[-1] = (level, levels[-1][1] * d, w)
+    else:
+      levels.append((level, d, w))
+  return [(d, w) for _, d, w in levels]
+
+
+def bus_peak(collective: str, axes: Sequence[str], extents: Mapping[str, int],
+             peaks: Mapping[str, LevelPeak]) -> float | None:
+  """The highest busbw (GB/s) the links allow `collective` over groups spanning `axes` of a mesh with
+  `extents` per axis, or None when a crossed level has no peak (or the collective has no model here)."""
+  levels = _levels(axes, extents, peaks)
+  if not levels or any(w is None for _, w in levels):
+    return None
+  n = math.prod(d for d, _ in levels)
+  inner = [math.prod(d for d, _ in levels[:i]) for i in range(len(levels))]  # P_i
+  if collective in ("all_reduce", "all_gather", "reduce_scatter"):
+    cost = max((d - 1) / (d * p * w) for (d, w), p in zip(levels, inner))
+    return (n - 1) / n / cost
+  if collective == "all_to_all":  # the share of each rank's data that leaves its unit at each level
+    return (n - 1) / max(p * (d - 1) / w for (d, w), p in zip(levels, inner))
+  if collective == "broadcast":  # every rank receives S; a unit's P ranks bring it in through their links
+    return min(p * w for (_, w), p in zip(levels, inner))
+  if collective == "ppermute":  # rank i sends to i+1: one rank per unit crosses each level, on its own link
+    return min(w for _, w in levels)
+  return None
+
+
+def share(busbw_gbps: float, peak_gbps: float | None) -> dict[str, float | None]:
+  """The record fields: the peak and busbw as a percentage of it (null without a peak)."""
+  if peak_gbps is None or not peak_gbps > 0:
+    return {"peak_gbps": None, "busbw_pct_of_peak": None}
+  return {"peak_gbps": peak_gbps, "busbw_pct_of_peak": 100.0 * busbw_gbps / peak_gbps}

@@ -1,0 +1,152 @@
+"""A latency-bandwidth (alpha-beta) model per series of a sweep: t(S) = alpha + S / beta.
+
+One fit per collective, scope, dtype and group size, over the points that ran and were right. The fit
+minimises relative error (each point weighs 1/t^2), so microsecond latencies at small sizes count as much
+as milliseconds at large ones: an ordinary least-squares fit on absolute times is decided by the largest
+sizes alone and returns an alpha that can be off by its whole value.
+
+Besides the algorithmic beta (S / t at large S), each fit carries the collective's algorithmic form for
+later extrapolation to other group sizes: its busbw factor f(n) (so beta * f(n) is the asymptotic busbw,
+comparable with link peaks) and the latency steps of a ring, so alpha / steps is a per-hop latency.
+Written to model.json in the run folder; this module does no plotting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+MODEL = "model.json"
+FORM = "t_us(S) = alpha_us + S / (beta_gbps * 1e3)"  # S in bytes; 1 GB/s = 1e3 bytes per microsecond
+
+
+def ring_steps(collective: str, n: int) -> int | None:
+  """Latency-bound steps of the ring algorithm (NCCL's tuning model counts these)."""
+  return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1,
+          "broadcast": n - 1, "ppermute": 1}.get(collective)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  collective: str
+  scope: str
+  dtype: str
+  group_size: int
+  points: int
+  min_bytes: int
+  max_bytes: int
+  alpha_us: float | None
+  beta_gbps: float | None  # None: no bandwidth term could be fitted (times do not grow with size)
+  method: str
+  r2: float | None = None  # on times, over the points used
+  rel_rms: float | None = None  # root-mean-square relative error of the fitted times
+  max_rel_err: float | None = None
+  busbw_factor: float | None = None
+  busbw_beta_gbps: float | None = None
+  ring_steps: int | None = None
+  alpha_per_step_us: float | None = None
+
+  def predict_us(self, size_bytes: float) -> float | None:
+    if self.alpha_us is None:
+      return None
+    bw = 0.0 if self.beta_gbps is None else size_bytes / (self.beta_gbps * 1e3)
+    return self.alpha_us + bw
+
+  def key(self) -> tuple[str, str, str, int]:
+    return (self.collective, self.scope, self.dtype, self.group_size)
+
+
+def fit_points(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[float, float | None, str]:
+  """(alpha_us, beta_gbps, method) by least squares on relative error, with alpha >= 0 and beta > 0."""
+  s = np.asarray(list(sizes), np.float64)
+  t = np.asarray(list(times_us), np.float64)
+  if s.size < 2 or np.unique(s).size < 2:
+    raise ValueError("an alpha-beta fit needs points at two or more sizes")
+  a_mat = np.stack([1.0 / t, s / t], axis=1)  # (alpha + S * b) / t ~ 1
+  (alpha, b), *_ = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)
+  if alpha >= 0 and b > 0:
+    return float(alpha), 1.0 / (b * 1e3), "weighted least squares (relative error)"
+  if alpha < 0:  # no latency visible: the bandwidth term alone (always > 0 for positive times)
+    x = s / t
+    b = float(np.sum(x) / np.sum(x * x))
+    return 0.0, 1.0 / (b * 1e3), "bandwidth only (fitted latency was negative)"
+  y = 1.0 / t  # times do not grow with size: latency only
+  return float(np.sum(y) / np.sum(y * y)), None, "latency only (times do not grow with size)"
+
+
+def _series(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str, int], list[dict[str, Any]]]:
+  out: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
+  for r in records:
+    if r.get("status") != "ok" or (r.get("wrong") or 0) > 0 or not r.get("time_us"):
+      continue  # a wrong result's time is not the collective's
+    out.setdefault((r["collective"], r["scope"], r["dtype"], int(r["group_size"])), []).append(r)
+  return out
+
+
+def fit_series(key: tuple[str, str, str, int], recs: list[dict[str, Any]]) -> Fit:
+  recs = sorted(recs, key=lambda r: r["bytes"])
+  sizes = [float(r["bytes"]) for r in recs]
+  times = [float(r["time_us"]) for r in recs]
+  coll, scope, dtype, n = key
+  base = dict(collective=coll, scope=scope, dtype=dtype, group_size=n, points=len(recs),
+              min_bytes=int(sizes[0]), max_bytes=int(sizes[-1]))
+  try:
+    alpha, beta, method = fit_points(sizes, times)
+  except ValueError as e:
+    return Fit(**base, alpha_us=None, beta_gbps=None, method=f"no fit: {e}")
+  t = np.asarray(times)
+  pred = alpha + (0.0 if beta is None else np.asarray(sizes) / (beta * 1e3))
+  rel = (pred - t) / t
+  ss_tot = float(np.sum((t - t.mean()) ** 2))
+  r2 = 1.0 - float(np.sum((pred - t) ** 2)) / ss_tot if ss_tot > 0 else None
+  factor = _busbw_factor(recs)
+  steps = ring_steps(coll, n)
+  return Fit(**base, alpha_us=alpha, beta_gbps=beta, method=method, r2=r2,
+             rel_rms=float(np.sqrt(np.mean(rel ** 2))), max_rel_err=float(np.max(np.abs(rel))),
+             busbw_factor=factor,
+             busbw_beta_gbps=None if (beta is None or factor is None) else beta * factor,
+             ring_steps=steps, alpha_per_step_us=alpha / steps if steps else None)
+
+
+def _busbw_factor(recs: list[dict[str, Any]]) -> float | None:
+  """busbw / algbw as the run recorded it (the collective's own factor for this group size)."""
+  for r in recs:
+    if r.get("algbw_gbps"):
+      return float(r["busbw_gbps"]) / float(r["algbw_gbps"])
+  return None
+
+
+def fit_run(records: Iterable[dict[str, Any]]) -> list[Fit]:
+  """One fit per series with at least one good point, in the order the series first appear."""
+  return [fit_series(k, v) for k, v in _series(records).items()]
+
+
+def to_json(fits: list[Fit]) -> dict[str, Any]:
+  return {"form": FORM, "weights": "relative error (1/t^2)",
+          "fits": [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                    for k, v in dataclasses.asdict(f).items()} for f in fits]}
+
+
+def write_model(outdir: str, fits: list[Fit]) -> str:
+  path = os.path.join(outdir, MODEL)
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(to_json(fits), f, indent=2)
+  os.replace(tmp, path)
+  return path
+
+
+def read_model(outdir: str) -> list[Fit] | None:
+  path = os.path.join(outdir, MODEL)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    data = json.load(f)
+  names = {f.name for f in dataclasses.fields(Fit)}
+  return [Fit(**{k: v for k, v in d.items() if k in names}) for d in data.get("fits", [])]

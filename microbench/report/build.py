@@ -1,0 +1,224 @@
+"""One report from one or more run folders: Markdown, PNG figures and comparison CSVs in one folder.
+
+A single sweep gets its average-busbw table (with the share of the link peak), its problem points, its
+alpha-beta fits and one figure per collective (a line per scope and dtype). Several sweeps get the same per
+run, then one figure per collective with a panel per scope and a line per run, and a ratio table and plot of
+every run against the first (run A). Training runs get a table side by side, loss and step-time curves,
+and throughput/MFU bars.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import os
+import re
+import struct
+from typing import Any
+
+from microbench.cluster import environment
+from microbench.output.tensorboard import TensorBoardLog
+from microbench.report import alpha_beta, plots, runs, tables
+
+REPORT = "report.md"
+
+
+@dataclasses.dataclass
+class Report:
+  out: str
+  markdown: str
+  figures: dict[str, Any]  # file name -> matplotlib Figure
+  fits: dict[str, list[alpha_beta.Fit]]  # run label -> fits
+  sweeps: list[runs.SweepRun]
+  trains: list[runs.TrainRun]
+
+
+def _slug(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "run"
+
+
+def _line_label(r: dict[str, Any], with_scope: bool = True, prefix: str = "") -> str:
+  parts = [prefix] if prefix else []
+  if with_scope:
+    parts.append(r["scope"])
+  parts.append(r["dtype"])
+  return "/".join(parts) + f" (n={r['group_size']})"
+
+
+def _peak(recs: list[dict[str, Any]]) -> float | None:
+  return max((r["peak_gbps"] for r in recs if r.get("peak_gbps")), default=None)
+
+
+def single_sweep_figures(run: runs.SweepRun) -> dict[str, Any]:
+  """One figure per collective: one line per scope and dtype."""
+  figs = {}
+  series = tables.by_series(tables.ok(run.records))
+  for coll in dict.fromkeys(k[0] for k in series):
+    lines = [(_line_label(recs[0]), recs, _peak(recs)) for k, recs in series.items() if k[0] == coll]
+    figs[f"{_slug(coll)}.png"] = plots.collective_figure(coll, [(run.label, lines)])
+  return figs
+
+
+def compare_sweep_figures(sweeps: list[runs.SweepRun]) -> dict[str, Any]:
+  """One figure per collective, a panel per scope, a line per run (and dtype when there are several)."""
+  figs = {}
+  per_run = [(run, tables.by_series(tables.ok(run.records))) for run in sweeps]
+  colls = list(dict.fromkeys(k[0] for _, s in per_run for k in s))
+  for coll in colls:
+    scopes = list(dict.fromkeys(k[1] for _, s in per_run for k in s if k[0] == coll))
+    panels = []
+    for scope in scopes:
+      dtypes = {k[2] for _, s in per_run for k in s if k[:2] == (coll, scope)}
+      lines = []
+      for run, series in per_run:
+        for k, recs in series.items():
+          if k[:2] == (coll, scope):
+            label = run.label + (f"/{k[2]}" if len(dtypes) > 1 else "") + f" (n={k[3]})"
+            lines.append((label, recs, _peak(recs)))
+      panels.append((scope, lines))
+    figs[f"compare_{_slug(coll)}.png"] = plots.collective_figure(coll, panels)
+  return figs
+
+
+def _env_lines(meta: dict[str, Any]) -> list[str]:
+  env = meta.get("environment")
+  lines = [f"- {meta.get('device_count')} x {meta.get('device_kind')} ({meta.get('platform')}),"
+           f" {meta.get('process_count')} process(es), topology {meta.get('topology')}, status {meta.get('status')}"]
+  if env:
+    lines += [f"- {line[2:]}" for line in environment.header(env)]
+  else:
+    lines.append(f"- jax {meta.get('jax_version')}, jaxlib {meta.get('jaxlib_version')} (no environment recorded)")
+  peaks = meta.get("link_peaks")
+  if peaks:
+    lines.append("- link peaks: " + "; ".join(
+        f"{level} {p['gbps']:g} GB/s ({p['link']}, {p['source']})" if p else f"{level} unknown"
+        for level, p in peaks.items()))
+  return lines
+
+
+FIT_HEADERS = ("collective", "scope", "dtype", "n", "alpha (us)", "beta (GB/s)", "busbw beta (GB/s)",
+               "alpha/ring step (us)", "R^2", "rel. RMS error", "sizes", "points", "method")
+
+
+def fit_rows(fits: list[alpha_beta.Fit]) -> list[tuple[Any, ...]]:
+  return [(f.collective, f.scope, f.dtype, f.group_size, f.alpha_us, f.beta_gbps, f.busbw_beta_gbps,
+           f.alpha_per_step_us, f.r2, f.rel_rms,
+           f"{tables.size_text(f.min_bytes)}-{tables.size_text(f.max_bytes)}", f.points, f.method) for f in fits]
+
+
+PREDICT_HEADERS = ("run", "collective", "scope", "dtype", "n", "size", "predicted time (us)",
+                   "predicted busbw (GB/s)", "within fitted sizes")
+
+
+def prediction_rows(fits: dict[str, list[alpha_beta.Fit]], sizes: list[int]) -> list[tuple[Any, ...]]:
+  rows = []
+  for label, fs in fits.items():
+    for f in fs:
+      for size in sizes:
+        t = f.predict_us(size)
+        busbw = None if (t is None or not t or f.busbw_factor is None) else size / (t * 1e3) * f.busbw_factor
+        rows.append((label, f.collective, f.scope, f.dtype, f.group_size, tables.size_text(size), t, busbw,
+                     "yes" if f.min_bytes <= size <= f.max_bytes else "no (extrapolated)"))
+  return rows
+
+
+def write_images(logdir: str, figures: dict[str, Any], prefix: str) -> None:
+  """The figures into TensorBoard's Images tab (tag `<prefix>/<name>`), for readers who only open TensorBoard."""
+  log = TensorBoardLog(logdir)
+  try:
+    for name, fig in figures.items():
+      png = plots.png_bytes(fig)
+      width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR chunk
+      log.image(f"{prefix}/{name.removesuffix('.png')}", png, width, height)
+  finally:
+    log.close()
+
+
+def sweep_images(outdir: str, records: list[dict[str, Any]]) -> int:
+  """A finished sweep's per-collective figures into its own events; returns how many."""
+  figs = single_sweep_figures(runs.SweepRun(outdir, os.path.basename(os.path.normpath(outdir)), {}, records))
+  if figs:
+    write_images(outdir, figs, "figures")
+  return len(figs)
+
+
+def _write_csv(path: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
+  with open(path, "w", newline="", encoding="utf-8") as f:
+    w = csv.writer(f)
+    w.writerow(headers)
+    w.writerows(rows)
+
+
+def build(paths: list[str], out: str, predict: list[int] | None = None) -> Report:
+  """Reads the runs, writes report.md, the figures and comparison CSVs into `out`, returns it all."""
+  sweeps, trains = runs.load(paths)
+  os.makedirs(out, exist_ok=True)
+  now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  md = ["# microbench report", "", f"Generated {now} from {len(sweeps) + len(trains)} run(s):", ""]
+  md += [f"- `{r.label}`: `{os.path.abspath(r.path)}`" for r in [*sweeps, *trains]]
+  figures: dict[str, Any] = {}
+  fits: dict[str, list[alpha_beta.Fit]] = {}
+
+  for run in sweeps:
+    fits[run.label] = alpha_beta.fit_run(run.records)
+    md += ["", f"## Sweep `{run.label}`", "", *_env_lines(run.meta), "",
+           "### Average bus bandwidth (mean over sizes), best busbw and its share of the link peak", "",
+           tables.markdown(tables.SUMMARY_HEADERS, tables.summary_rows(run.records))]
+    for title, rows in tables.problem_rows(run.records).items():
+      if rows:
+        md += ["", f"### Points {title} ({len(rows)})", "",
+               tables.markdown(("collective", "scope", "dtype", "size", "what", "detail"), rows)]
+    if not any(tables.problem_rows(run.records).values()):
+      md += ["", "No skipped, failed, wrong or straggling points."]
+    md += ["", f"### Alpha-beta model per series: {alpha_beta.FORM}", "",
+           tables.markdown(FIT_HEADERS, fit_rows(fits[run.label]))]
+    if len(sweeps) == 1:
+      figs = single_sweep_figures(run)
+      figures.update(figs)
+      md += [""] + [f"![{name}]({name})" for name in figs]
+
+  if len(sweeps) > 1:
+    figs = compare_sweep_figures(sweeps)
+    figures.update(figs)
+    md += ["", "## Runs side by side", ""] + [f"![{name}]({name})" for name in figs]
+    base = sweeps[0]
+    for other in sweeps[1:]:
+      r = tables.ratio_rows(base.records, other.records)
+      name = f"ratio_{_slug(other.label)}_vs_{_slug(base.label)}"
+      _write_csv(os.path.join(out, name + ".csv"), tables.RATIO_HEADERS, r["both"])
+      md += ["", f"## `{other.label}` (B) against `{base.label}` (A)", "",
+             f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`.", "",
+             tables.markdown(tables.RATIO_SUMMARY_HEADERS, tables.ratio_summary(r["both"])), "",
+             "Per point:", "", tables.markdown(tables.RATIO_HEADERS, r["both"])]
+      for which, rows in (("A", r["only_a"]), ("B", r["only_b"])):
+        if rows:
+          md += ["", f"Points measured (status ok) only in run {which} or not ok in the other ({len(rows)}):", "",
+                 tables.markdown(("collective", "scope", "dtype", "n", "bytes", "status A", "status B"), rows)]
+      if r["both"]:
+        figures[name + ".png"] = plots.ratio_figure(base.label, other.label, r["both"])
+        md += ["", f"![{name}]({name}.png)"]
+
+  if trains:
+    rows = [tables.train_row(t.label, t.config, t.summary) for t in trains]
+    md += ["", "## Training runs", "", tables.markdown(tables.TRAIN_HEADERS, rows)]
+    unfinished = [t.label for t in trains if t.summary is None]
+    if unfinished:
+      md += ["", "Not finished (no summary): " + ", ".join(f"`{u}`" for u in unfinished)]
+    figures["train_curves.png"] = plots.train_curves_figure([(t.label, t.steps) for t in trains])
+    figures["train_throughput.png"] = plots.train_bars_figure(
+        [(row[0], (t.summary or {}).get("item", "items"), row[8], row[10]) for row, t in zip(rows, trains)])
+    md += ["", "![train_curves](train_curves.png)", "", "![train_throughput](train_throughput.png)"]
+
+  if predict and fits:
+    md += ["", "## Predicted times from the alpha-beta fits", "",
+           tables.markdown(PREDICT_HEADERS, prediction_rows(fits, predict))]
+
+  for name, fig in figures.items():
+    plots.save(fig, os.path.join(out, name))
+  if figures:
+    write_images(out, figures, "report")
+  text = "\n".join(md) + "\n"
+  with open(os.path.join(out, REPORT), "w", encoding="utf-8") as f:
+    f.write(text)
+  return Report(out, text, figures, fits, sweeps, trains)

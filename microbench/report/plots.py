@@ -1,0 +1,142 @@
+"""The report's figures, drawn with matplotlib's object API on the non-interactive Agg canvas (no display,
+no pyplot state): functions take rows and return Figures; saving is separate. matplotlib is the `report`
+extra, imported only here."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # a headless node has no display; figures are only ever written to files
+from matplotlib import ticker  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from matplotlib.figure import Figure  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+from microbench.report.tables import size_text  # noqa: E402  pylint: disable=wrong-import-position
+
+Line = tuple[str, Sequence[dict[str, Any]], float | None]  # legend label, records by bytes, busbw peak
+Panel = tuple[str, Sequence[Line]]  # title, lines
+PEAK_SPAN = 3.0  # a peak more than this times the best busbw is named in the legend, not drawn
+DPI = 80
+
+
+def _size_axis(ax) -> None:
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_locator(ticker.LogLocator(base=2, numticks=8))
+  ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: size_text(x)))
+  ax.xaxis.set_minor_locator(ticker.NullLocator())
+  ax.grid(True, which="major", alpha=0.3)
+
+
+def collective_figure(collective: str, panels: Sequence[Panel]) -> Figure:
+  """busbw (top) and time (bottom) against message size, one column per panel, one line per series."""
+  cols = len(panels)
+  fig = Figure(figsize=(5.2 * cols, 6.4), dpi=DPI, layout="constrained")
+  axes = fig.subplots(2, cols, squeeze=False, sharex="col")
+  fig.suptitle(f"{collective}: bus bandwidth and time against message size")
+  for j, (title, lines) in enumerate(panels):
+    bw, tm = axes[0][j], axes[1][j]
+    top = max((r["busbw_gbps"] for _, recs, _ in lines for r in recs), default=0.0)
+    for label, recs, peak in lines:
+      xs = [r["bytes"] for r in recs]
+      if peak:
+        label += f", peak {peak:.4g} GB/s"
+      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=label)
+      tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=label, color=line.get_color())
+      if peak and peak <= PEAK_SPAN * top:
+        bw.axhline(peak, linestyle="--", linewidth=1, color=line.get_color())
+    bw.set_ylim(bottom=0)
+    bw.set_title(title, fontsize=10)
+    bw.set_ylabel("busbw (GB/s)")
+    tm.set_ylabel("time (us)")
+    tm.set_yscale("log")
+    tm.set_xlabel("message size S (bytes)")
+    for ax in (bw, tm):
+      _size_axis(ax)
+    if lines:
+      bw.legend(fontsize=7, loc="best")
+  return fig
+
+
+def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]]) -> Figure:
+  """Run B over run A time per point (tables.RATIO_HEADERS rows), one panel per collective."""
+  by_coll: dict[str, dict[str, list[tuple[int, float]]]] = {}
+  for r in rows:
+    coll, scope, dtype, n, size = r[:5]
+    by_coll.setdefault(coll, {}).setdefault(f"{scope}/{dtype} (n={n})", []).append((size, r[7]))
+  cols = min(3, max(1, len(by_coll)))
+  nrows = max(1, -(-len(by_coll) // cols))
+  fig = Figure(figsize=(5.0 * cols, 3.6 * nrows), dpi=DPI, layout="constrained")
+  axes = fig.subplots(nrows, cols, squeeze=False)
+  fig.suptitle(f"time {other} / {base} per point (below 1: {other} is faster)")
+  for ax, (coll, series) in zip(axes.flat, by_coll.items()):
+    for label, pts in series.items():
+      pts.sort()
+      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")  # 2x slower and 2x faster are the same distance from 1
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.set_title(coll, fontsize=10)
+    ax.set_ylabel("time B/A")
+    ax.set_xlabel("message size S (bytes)")
+    _size_axis(ax)
+    ax.legend(fontsize=7)
+  for ax in list(axes.flat)[len(by_coll):]:
+    ax.set_visible(False)
+  return fig
+
+
+def train_curves_figure(runs: Sequence[tuple[str, Sequence[dict[str, Any]]]]) -> Figure:
+  """Loss and step time per step, one line per training run (warm-up steps drawn lighter)."""
+  fig = Figure(figsize=(11, 4.2), dpi=DPI, layout="constrained")
+  loss_ax, time_ax = fig.subplots(1, 2)
+  for label, steps in runs:
+    xs = [s["step"] for s in steps]
+    (line,) = loss_ax.plot(xs, [s["loss"] for s in steps], label=label)
+    timed = [s for s in steps if not s.get("warmup") and not s.get("profiled")]
+    time_ax.plot([s["step"] for s in timed], [1e3 * s["step_time_s"] for s in timed], marker="o", markersize=3,
+                 label=label, color=line.get_color())
+  loss_ax.set_title("loss", fontsize=10)
+  loss_ax.set_xlabel("step")
+  loss_ax.set_ylabel("loss")
+  time_ax.set_title("step time after warm-up", fontsize=10)
+  time_ax.set_xlabel("step")
+  time_ax.set_ylabel("step time (ms)")
+  for ax in (loss_ax, time_ax):
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+  return fig
+
+
+def train_bars_figure(rows: Sequence[tuple[str, str, float | None, float | None]]) -> Figure:
+  """Throughput per device and MFU per training run: (label, item name, items/s/device, MFU %)."""
+  fig = Figure(figsize=(11, 1.2 + 0.45 * max(1, len(rows))), dpi=DPI, layout="constrained")
+  thr_ax, mfu_ax = fig.subplots(1, 2, sharey=True)
+  labels = [r[0] for r in rows]
+  ys = list(range(len(rows)))
+  thr_ax.barh(ys, [r[2] or 0.0 for r in rows], color="tab:blue")
+  mfu_ax.barh(ys, [r[3] or 0.0 for r in rows], color="tab:orange")
+  thr_ax.set_yticks(ys, labels, fontsize=8)
+  thr_ax.invert_yaxis()
+  items = sorted({r[1] for r in rows}) or ["items"]
+  thr_ax.set_xlabel(f"{'/'.join(items)} per second per device")
+  mfu_ax.set_xlabel("MFU (%)")
+  thr_ax.set_title("throughput per device", fontsize=10)
+  mfu_ax.set_title("model FLOPs utilisation", fontsize=10)
+  for ax in (thr_ax, mfu_ax):
+    ax.grid(True, axis="x", alpha=0.3)
+  return fig
+
+
+def png_bytes(fig: Figure) -> bytes:
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png")
+  return buf.getvalue()
+
+
+def save(fig: Figure, path: str) -> str:
+  fig.savefig(path)
+  return path

@@ -1,0 +1,103 @@
+"""Finding and reading run folders: collective sweeps (results.jsonl, meta.json) and training runs
+(metrics.jsonl), under short labels a table or legend can show."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from microbench.output import run_folder
+from microbench.output.train_log import METRICS_FILE
+
+
+class RunError(ValueError):
+  """A path that holds no run; the message says what was expected."""
+
+
+@dataclasses.dataclass
+class SweepRun:
+  path: str
+  label: str
+  meta: dict[str, Any]
+  records: list[dict[str, Any]]  # one per point, the latest written
+
+
+@dataclasses.dataclass
+class TrainRun:
+  path: str
+  label: str
+  config: dict[str, Any]
+  steps: list[dict[str, Any]]
+  summary: dict[str, Any] | None  # None: the run did not finish
+
+
+def _is_sweep(path: str) -> bool:
+  return os.path.exists(os.path.join(path, run_folder.RESULTS))
+
+
+def _is_train(path: str) -> bool:
+  return os.path.exists(os.path.join(path, METRICS_FILE))
+
+
+def expand(paths: list[str]) -> list[str]:
+  """Run folders named, or found one level below a folder that holds runs (`runs/train`)."""
+  out: list[str] = []
+  for p in paths:
+    if not os.path.isdir(p):
+      raise RunError(f"{p}: no such folder (give run folders, or a folder that holds them)")
+    if _is_sweep(p) or _is_train(p):
+      out.append(p)
+      continue
+    found = sorted(os.path.join(p, d) for d in os.listdir(p)
+                   if os.path.isdir(os.path.join(p, d)) and (_is_sweep(os.path.join(p, d))
+                                                            or _is_train(os.path.join(p, d))))
+    if not found:
+      raise RunError(f"{p}: holds no {run_folder.RESULTS} (collective sweep) or {METRICS_FILE} (training run),"
+                     " nor folders that do")
+    out.extend(found)
+  return list(dict.fromkeys(os.path.normpath(p) for p in out))
+
+
+def labels(paths: list[str]) -> list[str]:
+  """Folder names, with enough parent folders to tell runs apart."""
+  parts = [os.path.abspath(p).split(os.sep) for p in paths]
+  for depth in range(1, max(len(p) for p in parts) + 1):
+    names = [os.sep.join(p[-depth:]) for p in parts]
+    if len(set(names)) == len(names):
+      return names
+  return [os.path.abspath(p) for p in paths]
+
+
+def read_train(path: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, Any] | None]:
+  config: dict[str, Any] = {}
+  steps: list[dict[str, Any]] = []
+  summary = None
+  with open(os.path.join(path, METRICS_FILE), encoding="utf-8") as f:
+    for line in f:
+      try:
+        rec = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a torn last line
+      kind = rec.get("kind")
+      if kind == "config":
+        config = rec
+      elif kind == "step":
+        steps.append(rec)
+      elif kind == "summary":
+        summary = rec
+  return config, steps, summary
+
+
+def load(paths: list[str]) -> tuple[list[SweepRun], list[TrainRun]]:
+  """Every run under `paths`, split by kind, labelled."""
+  found = expand(paths)
+  sweeps, trains = [], []
+  for path, label in zip(found, labels(found)):
+    if _is_sweep(path):
+      sweeps.append(SweepRun(path, label, run_folder.read_meta(path) or {},
+                             run_folder.latest(run_folder.read_results(path))))
+    else:
+      trains.append(TrainRun(path, label, *read_train(path)))
+  return sweeps, trains

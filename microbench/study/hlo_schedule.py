@@ -1,0 +1,319 @@
+"""A proxy whose collectives are those of a real training step: read from the compiled (partitioned) HLO of
+microbench-train's step for a model and strategy, in program order, with the op, bytes and group of each.
+
+`derive("llama3-8b,fsdp", gpus)` lays the study's strategy on `gpus` devices as microbench-train would
+(`microbench.train.plan`), compiles the step ahead of time (`Trainer.compile_step`, nothing allocated) and
+walks the compiled module from its entry computation: a collective is blocking, an async `-start` is a start
+and its `-done` the wait for it, a `while` loop repeats its body's collectives by its known trip count (the
+scanned layers of a model run their collectives once per layer), calls and async wrappers are followed.
+Bytes follow nccl-tests' convention (microbench.train.comm_fingerprint's): all-gather the output,
+reduce-scatter the input, the rest the buffer; elements are counted in bf16, the proxy's default buffer type.
+Replica groups (device positions in the compiled program's device assignment) become communicators of ranks.
+
+Compute has no per-op model here: the step's model FLOPs at the GPU's bf16 peak (100% MFU, like the study's
+compute-bound roofline), split evenly between the gaps around the collectives.
+
+A strategy the training command can't run yet is refused with one line, read from the strategy table
+(meshes.parallelism): pipeline and expert parallelism become derivable as soon as they are implemented
+there and in the models, without a change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshes import parallelism as par
+from microbench.hlo import parse as hlo
+from microbench.study import schedules as sch
+from microbench.study import workloads as wl
+
+OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+       "all-to-all": "all_to_all", "collective-permute": "permute"}
+TRAIN_FLAGS = {"dp": ("dp",), "fsdp": ("dp", "fsdp"), "dp+pp": ("pp", "dp"), "dp+pp+tp": ("pp", "dp", "tp"),
+               "dp+pp+ep": ("pp", "dp", "ep")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """One collective event of the step, in program order: `kind` is blocking, start or done."""
+  kind: str
+  op: str  # schedule op name
+  nbytes: int  # per device, nccl-tests' S
+  groups: tuple[tuple[int, ...], ...]  # device positions (a permute: its connected sets of devices)
+  name: str  # the instruction (links a start to its done)
+  pairs: tuple[tuple[int, int], ...] = ()  # a permute's (source, target) device positions
+
+
+_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
+_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_DONE = re.compile(r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|async)-done\(%?([\w.\-]+)")
+
+
+def computations(text: str) -> tuple[dict[str, list[str]], str]:
+  """{name: instruction lines} of an HLO module's text, and the entry computation's name."""
+  comps: dict[str, list[str]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    m = _COMP_HEAD.match(line)
+    if m:
+      current = m.group(2)
+      comps[current] = []
+      if m.group(1):
+        entry = current
+    elif line.startswith("}"):
+      current = None
+    elif current is not None and line.strip():
+      comps[current].append(line)
+  if not entry:
+    raise ValueError("no ENTRY computation in the HLO text")
+  return comps, entry
+
+
+def _nbytes(ins: hlo.Instruction, group: int) -> int:
+  """Per-device bytes in nccl-tests' convention (as microbench.train.comm_fingerprint counts them)."""
+  parts = hlo.array_bytes(ins.type_text)
+  if ins.async_start and ins.op == "all-gather" and len(parts) >= 2:
+    parts = parts[len(parts) // 2:]  # all-gather-start returns (inputs, outputs)
+  elif ins.async_start and ins.op == "collective-permute" and parts:
+    parts = parts[:1]  # (operand, result, contexts...)
+  size = sum(parts)
+  return size * group if ins.op == "reduce-scatter" else size
+
+
+def _components(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], ...]:
+  parent: dict[int, int] = {}
+
+  def find(x: int) -> int:
+    while parent.setdefault(x, x) != x:
+      x = parent[x]
+    return x
+  for a, b in pairs:
+    parent[find(a)] = find(b)
+  comps: dict[int, list[int]] = {}
+  for d in list(parent):
+    comps.setdefault(find(d), []).append(d)
+  return tuple(tuple(sorted(c)) for c in comps.values())
+
+
+def events(text: str, devices: int) -> tuple[list[Event], dict]:
+  """The step's collective events in program order (loops unrolled by their trip counts), and notes
+  (each loop with collectives, and how many loops had no known trip count and were counted once)."""
+  comps, entry = computations(text)
+  notes: dict = {"loops": [], "unknown_trip_counts": 0}
+
+  def collective(line: str, ins: hlo.Instruction, name: str) -> Event:
+    found = hlo.find_collectives(line)[0]
+    pairs: tuple[tuple[int, int], ...] = ()
+    if ins.op == "collective-permute":
+      pairs = tuple((a, b) for a, b in found.groups)
+      groups = _components(pairs)
+    else:
+      groups = found.groups or (tuple(range(devices)),)
+    return Event("start" if ins.async_start else "blocking", OPS[ins.op], _nbytes(ins, len(groups[0])), groups,
+                 name, pairs)
+
+  def walk(comp: str, depth: int) -> list[Event]:
+    if depth > 50:
+      raise ValueError("HLO call graph too deep")
+    out: list[Event] = []
+    for line in comps.get(comp, []):
+      nm = _NAME.match(line)
+      name = nm.group(1) if nm else ""
+      ins = next(iter(hlo.instructions(line)), None)
+      if ins is not None and ins.op in OPS:
+        out.append(collective(line, ins, name))
+        continue
+      done = _DONE.search(line)
+      if done:
+        out.append(Event("done", "", 0, (), done.group(1)))
+        continue
+      if re.search(r"\swhile\(", line):
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
+        inner = walk(body.group(1), depth + 1) if body else []
+        if inner:
+          notes["loops"].append({"body": body.group(1), "trip_count": int(trip.group(1)) if trip else None,
+                                 "collectives": sum(1 for e in inner if e.kind != "done")})
+          notes["unknown_trip_counts"] += 0 if trip else 1
+        out += inner * (int(trip.group(1)) if trip else 1)
+        continue
+      if re.search(r"\sasync-start\(", line):  # a wrapped async collective: its callee's ops start here
+        callee = re.search(r"calls=%?([\w.\-]+)", line)
+        for e in walk(callee.group(1), depth + 1) if callee else []:
+          out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
+        continue
+      if re.search(r"\s(call|conditional)\(", line):
+        for callee in re.findall(r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)", line):
+          out += walk(callee, depth + 1)
+        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
+        if branches:  # one branch runs; the first stands for all
+          out += walk(branches.group(1).split(",")[0].strip().lstrip("%"), depth + 1)
+    return out
+
+  return walk(entry, 0), notes
+
+
+def _axes_of(group: Sequence[int], mesh_shape: tuple[int, ...], names: Sequence[str]) -> str:
+  coords = np.array([np.unravel_index(d, mesh_shape) for d in group])
+  varying = [names[i] for i in range(len(mesh_shape)) if len(set(coords[:, i])) > 1]
+  return "+".join(varying) or "self"
+
+
+def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int], compute_s: float, name: str,
+                         samples: int, mesh_shape: tuple[int, ...], axis_names: Sequence[str],
+                         element_bytes: int = wl.BF16_BYTES, meta: dict | None = None) -> sch.JobSchedule:
+  """Every rank's steps: compute split evenly around the collective events, each event over the rank's group."""
+  gpus = len(ranks_of_positions)
+  n_slots = sum(1 for e in evts if e.kind != "done") + 1
+  per_slot = compute_s / n_slots
+  ranks: list[tuple[sch.Step, ...]] = [()] * gpus
+  for pos in range(gpus):
+    b: list[sch.Step] = []
+    handles: dict[str, int] = {}
+    counter = 0
+    for e in evts:
+      if e.kind == "done":
+        if e.name in handles:
+          b.append(sch.Wait((handles.pop(e.name),), "wait"))
+        continue
+      group = next((g for g in e.groups if pos in g), None)
+      if group is None or len(group) < 2:
+        continue
+      kind = _axes_of(group, mesh_shape, axis_names)
+      ranks_in = tuple(ranks_of_positions[d] for d in group)
+      pairs: tuple[tuple[int, int], ...] = ()
+      if e.op == "permute":  # pairs of device positions -> positions within this group
+        idx = {d: i for i, d in enumerate(group)}
+        pairs = tuple(sorted((idx[a], idx[b]) for a, b in e.pairs if a in idx and b in idx))
+      elements = max(1, e.nbytes // element_bytes)
+      if e.op in ("all_gather", "reduce_scatter", "all_to_all"):
+        elements = max(len(group), elements // len(group) * len(group))
+      comm = sch.Comm(e.op, elements, sch.Group(kind, ranks_in), kind, pairs)
+      b.append(sch.Compute(per_slot, "step"))
+      if e.kind == "start":
+        counter += 1
+        handles[e.name] = counter
+        b.append(sch.Start(comm, counter))
+      else:
+        b.append(sch.Blocking(comm))
+    b.append(sch.Compute(per_slot, "step"))
+    if handles:
+      b.append(sch.Wait(tuple(handles.values()), "end"))
+    ranks[ranks_of_positions[pos]] = tuple(b)
+  return sch.JobSchedule(name, gpus, samples, tuple(ranks), meta or {})
+
+
+def parse_proxy_from(text: str) -> tuple[str, str | None, str]:
+  """'llama3-8b,fsdp' -> ('llama3', '8b', 'fsdp'); ValueError with one line if malformed."""
+  model, comma, strategy = text.partition(",")
+  if not comma:
+    raise ValueError(f"--proxy_from={text!r}: want MODEL,STRATEGY, e.g. llama3-8b,fsdp or gpt2-tiny,dp")
+  family, _, size = model.strip().partition("-")
+  return family, size or None, wl.strategy(strategy).name
+
+
+def training_parallelism(strategy: str, gpus: int) -> str:
+  """The study's degrees for `strategy` as a microbench-train --parallelism string; ValueError (one line)
+  when microbench-train can't run that strategy yet."""
+  missing = [f for f in TRAIN_FLAGS[strategy] if not par.STRATEGY_BY_FLAG[f].implemented]
+  if missing:
+    titles = ", ".join(f"{par.STRATEGY_BY_FLAG[f].title} ({f})" for f in missing)
+    can = [s for s, fl in TRAIN_FLAGS.items() if all(par.STRATEGY_BY_FLAG[f].implemented for f in fl)]
+    raise ValueError(f"--proxy_from=...,{strategy}: microbench-train has no {titles} yet, so there is no step "
+                     f"to read; derivable now: {', '.join(can)}")
+  d = wl.degrees(strategy, gpus)
+  parts = {"dp": f"dp:{d.data}", "fsdp": f"dp:{d.data},fsdp:{d.inner}", "dp+pp": f"pp:{d.stages},dp:{d.data}",
+           "dp+pp+tp": f"pp:{d.stages},dp:{d.data},tp:{d.inner}",
+           "dp+pp+ep": f"pp:{d.stages},dp:{d.data},ep:{d.inner}"}
+  return parts[strategy]
+
+
+@dataclasses.dataclass
+class CompiledStep:
+  """The training step of a derived proxy, compiled: its HLO text and what the schedule needs around it."""
+  text: str
+  proxy_from: str
+  strategy: str
+  parallelism: str
+  batch: int
+  spec: object  # models.ModelSpec
+  mesh: object  # jax.sharding.Mesh
+  axis_order: tuple[str, ...]
+  params: int
+  devices: list
+
+
+def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_len: int | None = None,
+                 layers: int | None = None, devices: Sequence | None = None, compiler_options: dict | None = None,
+                 dtype: str = "bfloat16") -> CompiledStep:
+  """microbench-train's step for `proxy_from` ('MODEL,STRATEGY') laid out on `gpus` devices (default: every
+  device, one per rank in process order), compiled ahead of time; ValueError (one line) on bad input."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  from models.optimizer import AdamWConfig, adamw  # pylint: disable=g-import-not-at-top
+  from models.train_step import Trainer  # pylint: disable=g-import-not-at-top
+
+  family, size, strategy = parse_proxy_from(proxy_from)
+  parallelism = training_parallelism(strategy, gpus)
+  devices = list(devices) if devices is not None else sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  if len(devices) != gpus:
+    raise ValueError(f"--proxy_from needs {gpus} devices to lay out the step, found {len(devices)}")
+  global_batch = batch or wl.samples_per_iteration(strategy, gpus)
+  cfg = train.TrainConfig(model=family, size=size, layers=layers, parallelism=parallelism, batch=global_batch,
+                          seq_len=seq_len, dtype=dtype, steps=2, warmup_steps=1, write=False, verbose=False,
+                          compiler_options=compiler_options)
+  try:
+    p = train.plan(cfg, devices=devices)
+  except train.ConfigError as e:
+    raise ValueError(f"--proxy_from={proxy_from}: {e}") from None
+  trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0)
+  text = trainer.compile_step(compiler_options).as_text()
+  return CompiledStep(text, proxy_from, strategy, parallelism, global_batch, p.spec, p.mesh, p.axis_order,
+                      trainer.num_params, devices)
+
+
+def from_step(step: CompiledStep, gpu: str = "A100") -> sch.JobSchedule:
+  """The derived schedule of a compiled step (see the module docstring)."""
+  gpus = len(step.devices)
+  evts, notes = events(step.text, gpus)
+  position_rank = [step.devices.index(d) for d in step.mesh.devices.flat]
+  flops = step.spec.step_flops(step.batch)
+  meta = {"strategy": step.strategy, "proxy_from": step.proxy_from, "model": f"{step.spec.family}-{step.spec.size}",
+          "parallelism": step.parallelism, "batch": step.batch, "seq_len": step.spec.seq_len, "params": step.params,
+          "step_flops": flops, "gpu": wl.gpu(gpu).name, "platform": step.devices[0].platform,
+          "events": sum(1 for e in evts if e.kind != "done"), "hlo_notes": notes,
+          "mesh": {a: int(step.mesh.shape[a]) for a in step.axis_order}}
+  return schedule_from_events(evts, position_rank, flops / gpus / wl.gpu(gpu).peak_flops, f"derived {step.proxy_from}",
+                              step.batch, tuple(int(step.mesh.shape[a]) for a in step.mesh.axis_names),
+                              list(step.mesh.axis_names), meta=meta)
+
+
+def derive(proxy_from: str, gpus: int, *, gpu: str = "A100", batch: int | None = None, seq_len: int | None = None,
+           layers: int | None = None, devices: Sequence | None = None, compiler_options: dict | None = None,
+           dtype: str = "bfloat16") -> sch.JobSchedule:
+  """The derived schedule of `proxy_from` ('MODEL,STRATEGY') on `gpus` ranks; ValueError on bad input."""
+  return from_step(compile_step(proxy_from, gpus, batch=batch, seq_len=seq_len, layers=layers, devices=devices,
+                                compiler_options=compiler_options, dtype=dtype), gpu)
+
+
+def compare(hand: sch.JobSchedule, derived: sch.JobSchedule) -> dict:
+  """Bytes per iteration and rank (rank 0 and the largest over ranks) of the two schedules, by op."""
+  def per_op(job: sch.JobSchedule, rank: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in job.comms(rank):
+      out[c.op] = out.get(c.op, 0) + sch.sent_bytes(c, rank)
+    return out
+  h0, d0 = per_op(hand, 0), per_op(derived, 0)
+  th, td = sum(h0.values()), sum(d0.values())
+  return {"hand": {"schedule": hand.name, "bytes_rank0": h0, "total_rank0": th},
+          "derived": {"schedule": derived.name, "bytes_rank0": d0, "total_rank0": td, "meta": derived.meta},
+          "difference_bytes": td - th, "ratio": (td / th) if th else None}
+
+
+def to_json(result: dict) -> str:
+  return json.dumps(result, indent=1, default=str)

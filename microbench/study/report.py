@@ -1,0 +1,309 @@
+"""The study's results: samples read back from a results folder, sigma per matching key with its interval,
+and the report (PNG plots, a Markdown summary, TensorBoard scalars).
+
+A sample is one iteration of one job instance: the slowest rank's throughput. Warm-up iterations are left
+out and, as the study's parser does, the first recorded iteration of every instance too. Baselines and
+concurrent samples are pooled per key (strategy, model, GPUs, placement class) over repeats, respawns and
+experiments. Plots (matplotlib, the `report` extra, imported only here and only when plotting):
+violins of each concurrent sample's (geomean(baseline) / sample - 1) x 100 by placement class and strategy;
+a heatmap over the experiments' placement x entropy bins of the median of those per-sample slowdowns (the
+median of ratios, never their mean); throughput against GPUs per strategy, log-log, with the ideal line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable
+
+from microbench.output.tensorboard import TensorBoardLog
+from microbench.study import runner, stats
+from microbench.study import workloads as wl
+
+BINS = ("low", "medium", "high")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  unit: str
+  kind: str
+  experiment: str | None
+  job: str
+  key: tuple[str, str, int, str]
+  instance: int
+  iteration: int
+  throughput: float
+  runtime_s: float
+  comm_share: float
+
+
+def read_records(path: str) -> list[dict]:
+  """A proxy's JSONL (a torn last line from a kill is ignored)."""
+  out = []
+  try:
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          out.append(json.loads(line))
+        except ValueError:
+          continue
+  except OSError:
+    pass
+  return out
+
+
+def load(out_dir: str, drop_first: int = 1) -> tuple[list[Sample], dict[str, dict]]:
+  """Every kept sample of every done unit, and the unit records by id."""
+  done = runner.done_units(out_dir)
+  samples: list[Sample] = []
+  for unit in done.values():
+    for job in unit["jobs"]:
+      key = runner.key_of(job)
+      for inst in job["instances"]:
+        raw = inst["raw"] if os.path.isabs(inst["raw"]) else os.path.join(out_dir, inst["raw"])
+        if not os.path.exists(raw):  # the results folder was moved: look beside it
+          raw = os.path.join(out_dir, "raw", unit["unit"], os.path.basename(inst["raw"]))
+        iters = [r for r in read_records(raw) if r.get("kind") == "iter" and not r.get("warmup")]
+        for r in iters[drop_first:]:
+          samples.append(Sample(unit["unit"], unit["kind"], unit.get("experiment"), job["name"], key, inst["n"],
+                                r["iter"], r["throughput"], r["runtime_s"], r["comm_share"]))
+  return samples, done
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyResult:
+  key: tuple[str, str, int, str]
+  sigma: stats.Sigma | None
+  comm_share_baseline: float
+  comm_share_concurrent: float
+  n_baseline: int
+  n_concurrent: int
+
+
+def by_key(samples: list[Sample]) -> dict[tuple, KeyResult]:
+  base: dict[tuple, list[Sample]] = {}
+  conc: dict[tuple, list[Sample]] = {}
+  for s in samples:
+    (base if s.kind == "baseline" else conc).setdefault(s.key, []).append(s)
+  out = {}
+  for key in sorted(set(base) | set(conc), key=lambda k: (k[0], k[1], k[2], k[3])):
+    b, c = base.get(key, []), conc.get(key, [])
+    sig = stats.sigma([x.throughput for x in b], [x.throughput for x in c]) if b and c else None
+    out[key] = KeyResult(key, sig, stats.comm_share([x.comm_share for x in b]),
+                         stats.comm_share([x.comm_share for x in c]), len(b), len(c))
+  return out
+
+
+def slowdowns(samples: list[Sample], keys: dict[tuple, KeyResult]) -> list[tuple[Sample, float]]:
+  """Each concurrent sample with its slowdown in % against its key's baseline geomean."""
+  out = []
+  for s in samples:
+    k = keys.get(s.key)
+    if s.kind == "concurrent" and k and k.sigma:
+      out.append((s, stats.slowdowns_percent(k.sigma.baseline_geomean, [s.throughput])[0]))
+  return out
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+  return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[float]],
+             scaling: dict[str, list[tuple[int, float]]], plots: list[str], note: str) -> str:
+  lines = ["# Multi-tenancy interference study", "",
+           "sigma = geomean(baseline throughput) / median(concurrent throughput); > 1 means slower when "
+           "sharing. CI: the 95% interval of sigma from the medians' Le Boudec intervals "
+           "[base_lo / conc_hi, base_hi / conc_lo]. `>5%`: share of concurrent samples more than 5% slower "
+           "than the baseline geomean. comm: mean over iterations of the largest exposed-communication share "
+           "over ranks.", ""]
+  if note:
+    lines += [note, ""]
+  lines += ["## Sigma per strategy, model, GPUs and placement class", "",
+            "| strategy | model | GPUs | placement | n base | n conc | base geomean (samples/s) | "
+            "conc median | sigma | 95% CI | excludes 1 | >5% | comm base | comm conc |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for k in keys.values():
+    s = k.sigma
+    if s:
+      ci = (f"[{s.low:.3f}, {s.high:.3f}] | {'yes' if s.excludes_one else 'no'}" if s.has_interval
+            else "none (<= 5 samples) | n/a")
+      lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
+                   f"{s.baseline_geomean:.4g} | {s.concurrent_median:.4g} | **{s.sigma:.3f}** | {ci} | "
+                   f"{100 * s.share_slower:.0f}% | {_fmt(k.comm_share_baseline, 2)} | "
+                   f"{_fmt(k.comm_share_concurrent, 2)} |")
+    else:
+      lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
+                   "| | n/a | | | | | |")
+  exps = [u for u in units.values() if u["kind"] == "concurrent"]
+  if exps:
+    lines += ["", "## Experiments", "", "| id | pattern | jobs | entropy | placement score | how it ended |",
+              "|---|---|---|---|---|---|"]
+    for u in sorted(exps, key=lambda u: u["unit"]):
+      m = u.get("meta") or {}
+      jobs = ", ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']} ({len(j['instances'])} run(s))"
+                       for j in u["jobs"])
+      pat = (m.get("pattern") or {}).get("id", "?")
+      lines.append(f"| {u['unit']} | {pat} | {jobs} | {m.get('entropy_bin')} ({_fmt(m.get('entropy_norm'), 2)}) | "
+                   f"{m.get('placement_bin')} ({_fmt(m.get('placement_score'), 2)}) | {u['ended']} |")
+  if cells:
+    lines += ["", "## Median slowdown (%) by placement bin (rows) and entropy bin (columns)", "",
+              "| placement \\ entropy | " + " | ".join(BINS) + " |", "|---|---|---|---|"]
+    for p in BINS:
+      row = [f"{statistics.median(cells[(p, h)]):.1f} (n={len(cells[(p, h)])})" if cells.get((p, h)) else "-"
+             for h in BINS]
+      lines.append(f"| {p} | " + " | ".join(row) + " |")
+  if scaling:
+    lines += ["", "## Baseline throughput scaling", "", "| strategy | GPUs | samples/s | parallel efficiency |",
+              "|---|---|---|---|"]
+    for st, pts in scaling.items():
+      g0, t0 = pts[0]
+      for g, t in pts:
+        lines.append(f"| {st} | {g} | {t:.4g} | {(t / t0) * (g0 / g):.2f} |")
+  if plots:
+    lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
+  return "\n".join(lines) + "\n"
+
+
+def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]],
+         cells: dict[tuple[str, str], list[float]], scaling: dict[str, list[tuple[int, float]]]) -> list[str]:
+  """The three PNGs; returns their paths. Needs matplotlib (the `report` extra)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+
+  paths = []
+  classes = [c for c in mm.CLASSES if any(s.key[3] == c for s, _ in slow)]
+  strategies = [st for st in wl.STRATEGIES if any(s.key[0] == st for s, _ in slow)]
+  if classes:
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(classes)), 4.5))
+    width = 0.8 / max(1, len(strategies))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, st in enumerate(strategies):
+      data, pos = [], []
+      for c, cls in enumerate(classes):
+        vals = [v for s, v in slow if s.key[0] == st and s.key[3] == cls]
+        if vals:
+          data.append(vals)
+          pos.append(c + (i - (len(strategies) - 1) / 2) * width)
+      if not data:
+        continue
+      parts = ax.violinplot(data, positions=pos, widths=width * 0.9, showmedians=True)
+      for body in parts["bodies"]:
+        body.set_facecolor(colors[i % len(colors)])
+        body.set_alpha(0.6)
+      ax.plot([], [], color=colors[i % len(colors)], lw=6, alpha=0.6, label=wl.STRATEGIES[st].title)
+    ax.axhline(0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(classes)), classes, rotation=15)
+    ax.set_ylabel("slowdown (sigma - 1) x 100 %")
+    ax.set_title("Concurrent samples against their baseline, by placement class")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "violins.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+  if cells:
+    grid = [[statistics.median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    im = ax.imshow(grid, cmap="viridis", origin="lower")
+    for r, p in enumerate(BINS):
+      for c, h in enumerate(BINS):
+        if cells.get((p, h)):
+          bright = im.norm(grid[r][c]) > 0.5  # dark text on the bright end of viridis
+          ax.text(c, r, f"{grid[r][c]:.1f}%\nn={len(cells[(p, h)])}", ha="center", va="center",
+                  color="k" if bright else "w", fontsize=8)
+    ax.set_xticks(range(3), BINS)
+    ax.set_yticks(range(3), BINS)
+    ax.set_xlabel("mix entropy bin")
+    ax.set_ylabel("placement (locality score) bin")
+    ax.set_title("Median slowdown (%) by placement x entropy")
+    fig.colorbar(im, ax=ax, label="median (sigma - 1) x 100 %")
+    fig.tight_layout()
+    paths.append(os.path.join(out, "heatmap.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+  if scaling:
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for st, pts in scaling.items():
+      gs, ts = [g for g, _ in pts], [t for _, t in pts]
+      line, = ax.plot(gs, ts, "o-", label=wl.STRATEGIES[st].title)
+      ax.plot(gs, [ts[0] * g / gs[0] for g in gs], ls=":", color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("baseline throughput (samples/s)")
+    ax.set_title("Throughput scaling (dotted: ideal)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(os.path.join(out, "scaling.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+  return paths
+
+
+def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plots: bool = True,
+          say: Callable[[str], None] = print) -> dict:
+  """Reads a results folder and writes report.md, sigma.json, PNGs and TensorBoard scalars into report_dir."""
+  report_dir = report_dir or os.path.join(out_dir, "report")
+  os.makedirs(report_dir, exist_ok=True)
+  samples, units = load(out_dir, drop_first)
+  keys = by_key(samples)
+  slow = slowdowns(samples, keys)
+  cells: dict[tuple[str, str], list[float]] = {}
+  for s, v in slow:
+    m = units[s.unit].get("meta") or {}
+    if m.get("placement_bin") and m.get("entropy_bin"):
+      cells.setdefault((m["placement_bin"], m["entropy_bin"]), []).append(v)
+  scaling: dict[str, list[tuple[int, float]]] = {}
+  for st in wl.STRATEGIES:
+    per_g: dict[int, list[float]] = {}
+    for s in samples:
+      if s.kind == "baseline" and s.key[0] == st:
+        per_g.setdefault(s.key[2], []).append(s.throughput)
+    if per_g:
+      scaling[st] = [(g, stats.geomean(v)) for g, v in sorted(per_g.items())]
+  note = ""
+  failed = sorted({u["unit"] for u in _all_units(out_dir) if u.get("status") != "done"} - set(units))
+  if failed:
+    note = f"{len(failed)} unit(s) failed (run again by `run --resume`): " + ", ".join(failed)
+  pngs: list[str] = []
+  if plots:
+    try:
+      pngs = plot(report_dir, keys, slow, cells, scaling)
+    except ImportError:
+      say("PNG plots need matplotlib: pip install -e '.[report]' (Markdown and TensorBoard written)")
+  with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
+    f.write(markdown(keys, units, cells, scaling, pngs, note))
+  table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
+            "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
+            "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
+            **({"sigma": dict(dataclasses.asdict(k.sigma), has_interval=k.sigma.has_interval,
+                              excludes_one=k.sigma.excludes_one)} if k.sigma else {})} for k in keys.values()]
+  with open(os.path.join(report_dir, "sigma.json"), "w", encoding="utf-8") as f:
+    json.dump(table, f, indent=1)
+  tb = TensorBoardLog(os.path.join(report_dir, "tensorboard"), flush_each=False)
+  for k in keys.values():
+    name = runner.key_name(k.key)
+    if k.sigma:
+      for what in ("sigma", "low", "high", "share_slower"):
+        tb.scalar(f"sigma/{name}/{what}", getattr(k.sigma, what), 0)
+    tb.scalar(f"comm_share/{name}/baseline", k.comm_share_baseline, 0)
+    tb.scalar(f"comm_share/{name}/concurrent", k.comm_share_concurrent, 0)
+  step: dict[str, int] = {}
+  for s in samples:
+    tag = f"throughput/{s.unit}/{s.job}"
+    tb.scalar(tag, s.throughput, step.get(tag, 0))
+    step[tag] = step.get(tag, 0) + 1
+  with open(os.path.join(report_dir, "report.md"), encoding="utf-8") as f:
+    tb.text("report", f.read())
+  tb.close()
+  say(f"report: {len(samples)} samples, {sum(1 for k in keys.values() if k.sigma)} sigma(s) -> {report_dir}")
+  return {"report_dir": report_dir, "keys": keys, "plots": pngs, "samples": len(samples)}
+
+
+def _all_units(out_dir: str) -> list[dict]:
+  path = os.path.join(out_dir, runner.UNITS_FILE)
+  return read_records(path) if os.path.exists(path) else []

@@ -1,0 +1,132 @@
+"""Deliberately wrong collectives, run through the benchmark's own build/check path (test-only).
+
+Run in its own process with 72 CPU devices (tests/test_mutations.py starts it): for group sizes 2, 3, 18,
+32 and 72 (as many groups as fit in 72 devices) and every dtype, each mutant must give wrong > 0 and each
+real collective wrong == 0. Prints one JSON object: {"<mutant>/<dtype>/<n>": wrong}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ["JAX_NUM_CPU_DEVICES"] = "72"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402  pylint: disable=wrong-import-position
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+
+from meshes.mesh import build_mesh, ordered_devices  # noqa: E402
+from meshes.scopes import plan_scopes  # noqa: E402
+from meshes.topology import Topology  # noqa: E402
+from microbench.bench import collectives, hlo_check, program  # noqa: E402
+
+GROUP_SIZES = (2, 3, 18, 32, 72)
+DTYPES = ("float32", "bfloat16", "float16", "int32")
+
+
+def _rank(axes):
+  return lax.axis_index(axes)
+
+
+class MissingRank(collectives.AllReduce):
+  name = "all_reduce missing the last rank"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum(jnp.where(_rank(axes) == n - 1, jnp.zeros_like(x), x), axes)
+
+
+class DoubledRank(collectives.AllReduce):
+  name = "all_reduce counting rank 1 twice"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum(jnp.where(_rank(axes) == 1, x + x, x), axes)
+
+
+class ScatterMissingRank(collectives.ReduceScatter):
+  name = "reduce_scatter missing rank 0"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum_scatter(jnp.where(_rank(axes) == 0, jnp.zeros_like(x), x), axes, scatter_dimension=0,
+                            tiled=True)
+
+
+class ScatterDoubledRank(collectives.ReduceScatter):
+  name = "reduce_scatter counting the last rank twice"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum_scatter(jnp.where(_rank(axes) == n - 1, x + x, x), axes, scatter_dimension=0, tiled=True)
+
+
+def _swap_chunks(y, n):
+  order = [1, 0, *range(2, n)]
+  return y.reshape(n, -1)[jnp.array(order)].reshape(-1)
+
+
+class GatherSwapped(collectives.AllGather):
+  name = "all_gather with chunks 0 and 1 swapped"
+
+  def op(self, x, axes, n, platform):
+    return _swap_chunks(lax.all_gather(x, axes, tiled=True), n)
+
+
+class AllToAllSwapped(collectives.AllToAll):
+  name = "all_to_all with the blocks of ranks 0 and 1 swapped"
+
+  def op(self, x, axes, n, platform):
+    return _swap_chunks(lax.all_to_all(x, axes, 0, 0, tiled=True), n)
+
+
+class WrongRoot(collectives.Broadcast):
+  name = "broadcast from rank 1"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum(jnp.where(_rank(axes) == 1, x, jnp.zeros_like(x)), axes)
+
+
+class RingByTwo(collectives.PPermute):
+  name = "ppermute shifted by two"
+
+  def pairs(self, n):
+    return [(i, (i + 2) % n) for i in range(n)]
+
+
+MUTANTS = (MissingRank(), DoubledRank(), ScatterMissingRank(), ScatterDoubledRank(), GatherSwapped(),
+           AllToAllSwapped(), WrongRoot(), RingByTwo())
+
+
+def _verify_for(coll, plan):
+  """The HLO check with the mutant's own ring pairs (the data check is what is under test here); a ring
+  of self-pairs (shift by two on two ranks) compiles to no collective at all."""
+  if not isinstance(coll, collectives.PPermute):
+    return hlo_check.verify
+  pairs = frozenset((int(g[s]), int(g[t])) for g in plan.groups for s, t in coll.pairs(plan.group_size))
+  if all(a == b for a, b in pairs):
+    return lambda text, exp: hlo_check.Verified(None, exp.dtype, 1, ())
+  return lambda text, exp: hlo_check.verify(text, exp, want=pairs)
+
+
+def main() -> None:
+  t0 = time.perf_counter()
+  devices = ordered_devices()
+  out = {}
+  for n in GROUP_SIZES:
+    groups = len(devices) // n
+    topo = Topology(1, groups, n)
+    mesh = build_mesh(topo, devices[:groups * n])
+    plan = plan_scopes(topo, ["scale_up"])[0]
+    for dtype in DTYPES:
+      for coll in (*MUTANTS, *(collectives.get(c) for c in collectives.NAMES)):
+        count = 2 * n  # two elements per chunk: tiny, and still every chunk of every rank distinct
+        point = program.build_check(coll, mesh, plan, count, dtype, verify=_verify_for(coll, plan))
+        out[f"{coll.name}/{dtype}/{n}"] = program.check(point)
+  out["seconds"] = time.perf_counter() - t0
+  print(json.dumps(out))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,92 @@
+"""Golden communication fingerprints (like MaxText's sharding dumps): per (model, strategy) on 8 CPU devices,
+the collectives of the compiled training step (AdamW with clipping, the runner's defaults) — count, bytes and
+element types per step, and per iteration of each loop with its trip count — diffed against
+tests/golden/comm_fingerprints.json. A change in what a strategy communicates, intended or not, shows here.
+
+Regenerate after an intended change (and read the diff): `python -m pytest tests/test_golden_comm.py
+--update-golden` (or MICROBENCH_UPDATE_GOLDEN=1). The file records the JAX version it was made with; XLA
+upgrades may legitimately change combining and layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from _trainers import compiled_step, make_trainer  # noqa: E402
+from microbench.train.comm_fingerprint import comm_report  # noqa: E402
+from models.optimizer import adamw  # noqa: E402
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "comm_fingerprints.json")
+
+# (model, strategy, extra): tiny shapes, batch 8, 32 tokens (ViT/ResNet: their images), float32.
+CASES = [
+    ("gpt2", "dp:8", {}),
+    ("gpt2", "fsdp:8", {}),
+    ("gpt2", "dp:2,tp:4", {}),
+    ("gpt2", "fsdp:2,tp:4", {}),
+    ("gpt2", "dp:2,fsdp:2,tp:2", {}),
+    ("gpt2", "fsdp:8", {"dtype": "bfloat16"}),
+    ("gpt2", "dp:2,fsdp:2,tp:2", {"grad_accum": 2}),
+    ("llama3", "fsdp:4,tp:2", {}),
+    ("llama3", "dp:2,fsdp:2,tp:2", {}),
+    ("vit", "dp:2,fsdp:2,tp:2", {}),
+    ("resnet", "dp:8", {}),
+    ("resnet", "fsdp:8", {}),
+]
+
+
+def _key(model: str, strategy: str, extra: dict) -> str:
+  return " ".join([f"{model}-tiny", strategy] + [f"{k}={v}" for k, v in sorted(extra.items())])
+
+
+def _fingerprint(model: str, strategy: str, extra: dict) -> dict:
+  kw = dict(extra)
+  if "dtype" in kw:
+    kw["dtype"] = jnp.dtype(kw["dtype"])
+  t = make_trainer(model, strategy, tx=adamw(), **kw)
+  n = t.mesh.size
+  report = comm_report(compiled_step(t).as_text(), n)
+  return {"ops": report["ops"],
+          "loops": [{"trip_count": lp["trip_count"], "ops": lp["ops"]} for lp in report["loops"]]}
+
+
+@pytest.fixture(scope="module")
+def golden(update_golden):
+  if update_golden or not os.path.exists(GOLDEN):
+    current = {_key(*c): _fingerprint(*c) for c in CASES}
+    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
+    with open(GOLDEN, "w") as f:
+      json.dump({"jax": jax.__version__, "devices": "8 CPU", "fingerprints": current}, f, indent=1, sort_keys=True)
+      f.write("\n")
+    if not update_golden:
+      pytest.fail(f"{GOLDEN} was missing and has been written; check it in (rerun to compare)")
+  with open(GOLDEN) as f:
+    return json.load(f)
+
+
+def test_golden_file_covers_every_case(golden):
+  assert sorted(golden["fingerprints"]) == sorted(_key(*c) for c in CASES)
+
+
+@pytest.mark.parametrize("model,strategy,extra", CASES, ids=[_key(*c) for c in CASES])
+def test_comm_fingerprint_matches_golden(golden, model, strategy, extra):
+  want = golden["fingerprints"][_key(model, strategy, extra)]
+  got = json.loads(json.dumps(_fingerprint(model, strategy, extra)))  # the file's types (str keys, lists)
+  assert got == want, (
+      f"{_key(model, strategy, extra)}: the compiled step's collectives changed (jax {jax.__version__}, golden"
+      f" made with {golden['jax']}).\n got  {json.dumps(got, sort_keys=True)}\n want {json.dumps(want, sort_keys=True)}\n"
+      "If intended, regenerate: python -m pytest tests/test_golden_comm.py --update-golden")
+
+
+def test_a_changed_strategy_fails_the_diff(golden):
+  """The diff is not blind: the fsdp:8 program differs from the dp:8 golden in every op."""
+  fsdp = json.loads(json.dumps(_fingerprint("gpt2", "fsdp:8", {})))
+  assert fsdp != golden["fingerprints"][_key("gpt2", "dp:8", {})]
+  assert fsdp == golden["fingerprints"][_key("gpt2", "fsdp:8", {})]

@@ -1,0 +1,24 @@
+"""The proof of the correctness check: deliberately wrong collectives, through the same build/check path,
+are caught in every dtype and group size (tests/_mutations.py, in its own process with 72 CPU devices)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, clean_env
+
+WRONG = ("all_reduce missing", "all_reduce counting", "reduce_scatter missing", "reduce_scatter counting",
+         "all_gather with", "all_to_all with", "broadcast from", "ppermute shifted")
+
+
+def test_every_wrong_collective_is_caught_and_every_real_one_passes():
+  r = subprocess.run([sys.executable, "tests/_mutations.py"], capture_output=True, text=True, timeout=600,
+                     env=clean_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = json.loads(r.stdout.strip().splitlines()[-1])
+  print(f"mutation run: {results.pop('seconds'):.1f} s")
+  assert len(results) == 14 * 4 * 5  # (8 wrong + 6 real) collectives x dtypes x group sizes
+  missed = [k for k, wrong in results.items() if k.startswith(WRONG) and wrong == 0]
+  false_alarms = [k for k, wrong in results.items() if not k.startswith(WRONG) and wrong != 0]
+  assert not missed, f"wrong collectives that passed the check: {missed}"
+  assert not false_alarms, f"real collectives that failed the check: {false_alarms}"

@@ -1,0 +1,388 @@
+"""Reading runs: alpha-beta fits, ratio tables, the CSV, link peaks, the environment and the report's
+figures (checked through matplotlib's objects), on synthetic runs with known answers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, clean_env
+from microbench.cluster import environment, link_peaks
+from microbench.output import run_folder
+from microbench.report import alpha_beta, tables
+
+FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n}
+
+
+def synthetic_records(alpha_us: float, beta_gbps: float, *, collectives=("all_reduce", "all_gather"),
+                      scopes=(("scale_up", 4), ("scale_out", 2)), sizes=None, noise=0.0, seed=0,
+                      peak=None) -> list[dict]:
+  """Sweep records whose times follow t = alpha + S / beta (times (1 + noise) lognormal)."""
+  rng = np.random.default_rng(seed)
+  sizes = sizes or [2**k for k in range(10, 31, 2)]
+  recs = []
+  for coll in collectives:
+    for scope, n in scopes:
+      for s in sizes:
+        t = (alpha_us + s / (beta_gbps * 1e3)) * float(np.exp(rng.normal(0.0, noise)))
+        algbw = s / (t * 1e-6) / 1e9
+        rec = {"collective": coll, "scope": scope, "dtype": "float32", "bytes": s, "requested_bytes": s,
+               "count": s // 4, "group_size": n, "num_groups": 8 // n, "time_us": t, "algbw_gbps": algbw,
+               "busbw_gbps": algbw * FACTORS[coll](n), "wrong": 0, "status": "ok"}
+        if peak:
+          rec.update(link_peaks.share(rec["busbw_gbps"], peak))
+        recs.append(rec)
+  return recs
+
+
+def write_sweep(path, records, meta=None):
+  os.makedirs(path, exist_ok=True)
+  with open(os.path.join(path, "results.jsonl"), "w") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  with open(os.path.join(path, "meta.json"), "w") as f:
+    json.dump(meta or {"device_count": 8, "device_kind": "cpu", "platform": "cpu", "status": "finished"}, f)
+  return str(path)
+
+
+def write_train(path, parallelism, step_time, mfu, steps=6, finished=True):
+  os.makedirs(path, exist_ok=True)
+  lines = [{"kind": "config", "model": "gpt2", "size": "tiny", "layers": 2, "parallelism": parallelism,
+            "batch": 8, "seq_len": 32, "dtype": "float32", "devices": 8}]
+  lines += [{"kind": "step", "step": i, "loss": 5.0 - 0.1 * i, "step_time_s": step_time * (3 if i == 0 else 1),
+             "warmup": i < 2, "profiled": False} for i in range(steps)]
+  if finished:
+    lines.append({"kind": "summary", "model": "gpt2", "size": "tiny", "layers": 2, "parallelism": parallelism,
+                  "devices": 8, "batch": 8, "seq_len": 32, "dtype": "float32", "item": "tokens",
+                  "median_step_time_s": step_time, "tokens_per_s": 256 / step_time,
+                  "tokens_per_s_per_device": 32 / step_time, "tflops_per_device": 0.01, "mfu": mfu,
+                  "memory_per_device_bytes": 2**24, "compile_time_s": 3.0})
+  with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+    f.write("".join(json.dumps(x) + "\n" for x in lines))
+  return str(path)
+
+
+# --- alpha-beta ----------------------------------------------------------------------------------------
+
+def test_alpha_beta_recovers_known_latency_and_bandwidth_within_2_percent():
+  recs = synthetic_records(alpha_us=25.0, beta_gbps=40.0, noise=0.01, seed=3)
+  fits = alpha_beta.fit_run(recs)
+  assert len(fits) == 4  # collective x scope
+  for f in fits:
+    assert f.alpha_us == pytest.approx(25.0, rel=0.02) and f.beta_gbps == pytest.approx(40.0, rel=0.02), f
+    assert f.r2 > 0.99 and f.rel_rms < 0.02 and (f.min_bytes, f.max_bytes) == (1024, 2**30)
+    assert f.busbw_beta_gbps == pytest.approx(f.beta_gbps * FACTORS[f.collective](f.group_size))
+  ar = next(f for f in fits if f.collective == "all_reduce" and f.group_size == 4)
+  assert ar.ring_steps == 6 and ar.alpha_per_step_us == pytest.approx(ar.alpha_us / 6)
+  assert ar.predict_us(2**20) == pytest.approx(25.0 + 2**20 / 40e3, rel=0.02)
+
+
+def test_an_unweighted_fit_would_miss_the_latency():
+  """The weighting is what recovers alpha: plain least squares on times is decided by the largest sizes."""
+  recs = synthetic_records(alpha_us=25.0, beta_gbps=40.0, noise=0.01, seed=3, collectives=("all_reduce",),
+                           scopes=(("scale_up", 4),))
+  s = np.array([r["bytes"] for r in recs], float)
+  t = np.array([r["time_us"] for r in recs])
+  (alpha, _), *_ = np.linalg.lstsq(np.stack([np.ones_like(s), s], 1), t, rcond=None)
+  assert abs(alpha / 25.0 - 1) > 0.5
+
+
+def test_fit_edge_cases_are_labelled():
+  flat = alpha_beta.fit_points([1024, 4096, 16384], [10.0, 10.0, 10.0])
+  assert flat[1] is None and flat[0] == pytest.approx(10.0) and "latency only" in flat[2]
+  pure = alpha_beta.fit_points([1e6, 2e6, 4e6], [10.0, 20.0, 40.0])  # t = S / 100 GB/s, no latency
+  assert pure[0] == pytest.approx(0.0, abs=1e-6) and pure[1] == pytest.approx(100.0)
+  one = alpha_beta.fit_series(("all_reduce", "scale_up", "float32", 4),
+                              synthetic_records(1, 1, sizes=[4096], collectives=("all_reduce",),
+                                                scopes=(("scale_up", 4),)))
+  assert one.alpha_us is None and one.method.startswith("no fit")
+  wrong = synthetic_records(5, 5, collectives=("all_reduce",), scopes=(("scale_up", 4),))
+  wrong[0]["wrong"] = 3
+  assert alpha_beta.fit_run(wrong)[0].points == len(wrong) - 1  # a wrong point's time is not used
+
+
+def test_model_json_round_trips(tmp_path):
+  fits = alpha_beta.fit_run(synthetic_records(25.0, 40.0))
+  alpha_beta.write_model(str(tmp_path), fits)
+  assert alpha_beta.read_model(str(tmp_path)) == fits
+  assert json.loads((tmp_path / "model.json").read_text())["form"] == alpha_beta.FORM
+
+
+# --- ratio tables --------------------------------------------------------------------------------------
+
+def test_ratio_table_matches_points_and_lists_the_rest():
+  a = synthetic_records(20.0, 40.0, sizes=[1024, 4096, 16384])
+  b = synthetic_records(10.0, 80.0, sizes=[4096, 16384, 65536])  # half the latency, twice the bandwidth
+  b = [r for r in b if not (r["collective"] == "all_gather" and r["scope"] == "scale_out")]
+  r = tables.ratio_rows(a, b)
+  assert len(r["both"]) == 2 * 2 + 2  # shared sizes 4K, 16K for three series... all_gather/scale_out is gone
+  for row in r["both"]:
+    coll, scope, dtype, n, size, ta, tb, ratio, bwa, bwb, bwratio = row
+    assert ratio == pytest.approx((10 + size / 80e3) / (20 + size / 40e3))
+    assert bwratio == pytest.approx(1 / ratio) and tb / ta == pytest.approx(ratio)
+  assert {row[4] for row in r["only_a"]} == {1024, 4096, 16384} and len(r["only_a"]) == 4 + 2
+  assert {row[4] for row in r["only_b"]} == {65536} and len(r["only_b"]) == 3
+  summary = tables.ratio_summary(r["both"])
+  assert len(summary) == 3 and all(0.4 < s[5] < 0.6 for s in summary)
+
+
+def test_ratio_table_does_not_match_different_group_sizes():
+  """Points are matched on group size too: a 4-rank and an 8-rank all-reduce are different points."""
+  a = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), sizes=[4096])
+  b = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 8),), sizes=[4096])
+  r = tables.ratio_rows(a, b)
+  assert not r["both"] and len(r["only_a"]) == 1 and len(r["only_b"]) == 1
+
+
+def test_a_point_not_ok_in_one_run_is_listed_not_divided():
+  a = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), sizes=[4096])
+  b = [dict(a[0], status="skipped", reason="RESOURCE_EXHAUSTED")]
+  r = tables.ratio_rows(a, b)
+  assert not r["both"] and r["only_a"][0][-2:] == ("ok", "skipped")
+
+
+def test_summary_and_problem_rows():
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), peak=0.05)
+  recs[1]["wrong"] = 2
+  recs[2]["straggler"], recs[2]["slowest_rank"], recs[2]["time_spread"] = True, 3, 0.25
+  recs.append(dict(recs[0], status="skipped", bytes=2**31, requested_bytes=2**31, reason="out of memory"))
+  (row,) = tables.summary_rows(recs)
+  best = max((r for r in recs if r["status"] == "ok"), key=lambda r: r["busbw_gbps"])
+  assert row[4] == len(recs) - 1 and row[6] == best["busbw_gbps"]
+  assert row[7] == 0.05 and row[8] == pytest.approx(100 * best["busbw_gbps"] / 0.05)
+  problems = tables.problem_rows(recs)
+  assert len(problems["wrong"]) == 1 and len(problems["stragglers"]) == 1
+  assert problems["not measured"][0][3:] == ("2G", "skipped", "out of memory")
+
+
+# --- results.csv ---------------------------------------------------------------------------------------
+
+def _from_cell(text: str, like):
+  if text == "":
+    return None
+  if isinstance(like, bool) or isinstance(like, list):
+    return json.loads(text)
+  if isinstance(like, int):
+    return int(text)
+  if isinstance(like, float):
+    return float(text)
+  return text
+
+
+def test_csv_holds_the_same_records_as_the_jsonl(tmp_path):
+  out = run_folder.RunOutputs(str(tmp_path), stream=open(os.devnull, "w"))
+  recs = synthetic_records(20.0, 40.0, sizes=[1024, 4096], peak=10.0)
+  recs[0]["samples_us"] = [1.5, 2.25, 3.0]  # a field a later version adds (a list): one cell
+  recs[1]["reason"] = 'text, with "quotes"\nand a newline'
+  recs.append({"collective": "all_gather", "scope": "global", "dtype": "bfloat16", "requested_bytes": 1 << 40,
+               "status": "skipped", "reason": "compile failed: RESOURCE_EXHAUSTED"})
+  for i, r in enumerate(recs):
+    out.record(r)
+    with open(tmp_path / "results.csv", newline="") as f:
+      assert len(list(csv.DictReader(f))) == i + 1  # written as points finish
+  out.close()
+  jsonl = run_folder.read_results(str(tmp_path))
+  with open(tmp_path / "results.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0])[:3] == ["collective", "scope", "dtype"]
+  assert len(rows) == len(jsonl)
+  for row, rec in zip(rows, jsonl):
+    assert {k for k, v in row.items() if v != ""} == {k for k, v in rec.items() if v is not None}
+    for k, v in rec.items():
+      assert _from_cell(row[k], v) == v, k
+
+
+def test_csv_of_a_resumed_run_keeps_the_earlier_points(tmp_path):
+  recs = synthetic_records(20.0, 40.0, sizes=[1024, 4096], collectives=("all_reduce",), scopes=(("scale_up", 4),))
+  first = run_folder.RunOutputs(str(tmp_path), stream=open(os.devnull, "w"))
+  first.record(recs[0])
+  first.close()
+  second = run_folder.RunOutputs(str(tmp_path), stream=open(os.devnull, "w"))
+  second.record(recs[1])
+  second.close()
+  with open(tmp_path / "results.csv", newline="") as f:
+    assert [int(r["bytes"]) for r in csv.DictReader(f)] == [1024, 4096]
+
+
+# --- link peaks ----------------------------------------------------------------------------------------
+
+def test_link_peaks_parse_names_and_numbers_and_refuse_the_rest():
+  p = link_peaks.parse("scale_up:450,scale_out:ndr")
+  assert p["scale_up"].gbps == 450 and p["scale_out"].gbps == 50 and p["scale_out"].link == "ndr"
+  for bad, msg in (("scale_up", "expected LEVEL:VALUE"), ("nvlink:450", "expected LEVEL:VALUE"),
+                   ("scale_up:-3", "positive number"), ("scale_out:fast", "or a link name")):
+    with pytest.raises(link_peaks.LinkPeakError, match=msg):
+      link_peaks.parse(bad)
+
+
+def test_device_kind_defaults():
+  assert link_peaks.resolve("NVIDIA H100 80GB HBM3")["scale_up"].link == "nvlink4"
+  assert link_peaks.resolve("NVIDIA GH200 480GB")["scale_up"].gbps == 450
+  assert link_peaks.resolve("NVIDIA B200")["scale_up"].gbps == 900
+  assert link_peaks.resolve("NVIDIA A100-SXM4-80GB")["scale_up"].gbps == 300
+  assert link_peaks.resolve("NVIDIA H100 PCIe") == {}  # no NVLink switch fabric: no default
+  assert link_peaks.resolve("cpu") == {}
+  over = link_peaks.resolve("NVIDIA H200", link_peaks.parse("scale_up:400"))
+  assert over["scale_up"].gbps == 400 and over["scale_up"].source == "--link_peaks"
+
+
+SHAPE = {"rack": 1, "node": 4, "gpu": 8}
+H100_NDR = link_peaks.resolve("NVIDIA H100 80GB HBM3", link_peaks.parse("scale_out:ndr"))
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute"])
+def test_one_level_scopes_peak_at_their_link(coll):
+  """busbw is defined so that a flat fabric peaks at the link speed whatever the group size."""
+  assert link_peaks.bus_peak(coll, ("gpu",), SHAPE, H100_NDR) == pytest.approx(450)
+  assert link_peaks.bus_peak(coll, ("rack", "node"), SHAPE, H100_NDR) == pytest.approx(50)
+
+
+def test_hierarchical_peaks_are_flat_fabric_equivalents():
+  n, g, nodes = 32, 8, 4
+  ring = (n - 1) / n / max((g - 1) / (g * 450), (nodes - 1) / (nodes * g * 50))
+  assert link_peaks.bus_peak("all_reduce", ("rack", "node", "gpu"), SHAPE, H100_NDR) == pytest.approx(ring)
+  assert ring > 50  # above any one NIC: 8 GPUs of a node each bring their own
+  a2a = (n - 1) / max((g - 1) / 450, (n - g) / 50)
+  assert link_peaks.bus_peak("all_to_all", ("rack", "node", "gpu"), SHAPE, H100_NDR) == pytest.approx(a2a)
+  assert link_peaks.bus_peak("ppermute", ("rack", "node", "gpu"), SHAPE, H100_NDR) == 50
+  # Nodes and racks over the same NICs are one level (not two links that could overlap).
+  shape = {"rack": 2, "node": 2, "gpu": 1}
+  assert link_peaks.bus_peak("all_reduce", ("rack", "node"), shape, H100_NDR) == pytest.approx(50)
+  nvl = link_peaks.resolve("NVIDIA GB200", link_peaks.parse("rack_scale:nvlink5,scale_out:xdr"))
+  assert link_peaks.bus_peak("all_reduce", ("node", "gpu"), {"rack": 2, "node": 18, "gpu": 4}, nvl) == pytest.approx(
+      (71 / 72) / max(3 / (4 * 900), 17 / (18 * 4 * 900)))
+
+
+def test_no_peak_without_every_crossed_level():
+  only_up = link_peaks.resolve("NVIDIA H100 80GB HBM3")
+  assert link_peaks.bus_peak("all_reduce", ("gpu",), SHAPE, only_up) == 450
+  assert link_peaks.bus_peak("all_reduce", ("rack", "node", "gpu"), SHAPE, only_up) is None
+  assert link_peaks.share(10.0, None) == {"peak_gbps": None, "busbw_pct_of_peak": None}
+  assert link_peaks.share(45.0, 450.0)["busbw_pct_of_peak"] == pytest.approx(10.0)
+
+
+# --- environment ---------------------------------------------------------------------------------------
+
+def test_environment_variables_with_and_without_them():
+  env = {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true", "NCCL_ALGO": "Ring",
+         "NCCL_IB_HCA": "mlx5", "JAX_PLATFORMS": "cuda", "TF_CPP_MIN_LOG_LEVEL": "0", "HOME": "/root",
+         "MY_NCCL_NOTE": "x"}
+  got = environment.variables(env)
+  assert got == {k: env[k] for k in ("JAX_PLATFORMS", "NCCL_ALGO", "NCCL_IB_HCA", "TF_CPP_MIN_LOG_LEVEL",
+                                     "XLA_FLAGS")}
+  assert environment.variables({"HOME": "/root"}) == {}
+  assert "no XLA_FLAGS" in environment.header({"variables": {}})[-1]
+
+
+def test_environment_capture_never_fails(monkeypatch):
+  env = environment.capture(hosts=["b", "a", "a"], gpu=True)  # a GPU stack asked for on a CPU machine
+  assert env["hosts"] == ["a", "b"] and env["packages"]["jax"] and env["python"]
+  assert set(env["gpu"]) == {"nvidia_driver", "cuda_driver_api", "cuda_runtime", "cudnn", "nccl"}
+  assert env["gpu"]["cuda_runtime"] is None  # no CUDA plugin here: null, not an error
+  assert env["toolkit"]["git_commit"] is None or len(env["toolkit"]["git_commit"]) == 40
+
+  def broken(*a, **k):
+    raise OSError("no such thing")
+
+  for name in ("package_versions", "toolkit", "devices", "nics", "variables"):
+    monkeypatch.setattr(environment, name, broken)
+  env = environment.capture()
+  assert env["packages"] == {} and env["devices"] is None and env["nics"] is None
+  assert env["toolkit"]["git_commit"] is None
+  assert environment.header(env)  # the header still prints
+
+
+# --- the report ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("runs")
+  a = write_sweep(root / "A", synthetic_records(20.0, 40.0, sizes=[2**k for k in range(10, 21, 2)], peak=50.0))
+  b = write_sweep(root / "B", synthetic_records(10.0, 80.0, sizes=[2**k for k in range(10, 21, 2)], peak=50.0))
+  write_train(root / "train" / "dp8", "dp:8", 0.10, 0.30)
+  write_train(root / "train" / "fsdp4-tp2", "fsdp:4,tp:2", 0.08, 0.375)
+  write_train(root / "train" / "crashed", "dp:8", 0.1, 0.3, finished=False)
+  return root, a, b
+
+
+def test_single_run_report_figures_and_tables(runs_dir, tmp_path):
+  from microbench.report import build
+  root, a, _ = runs_dir
+  rep = build.build([a], str(tmp_path), predict=[2**24])
+  assert set(rep.figures) == {"all_reduce.png", "all_gather.png"}
+  fig = rep.figures["all_reduce.png"]
+  bw, tm = fig.axes
+  assert bw.get_xscale() == "log" and tm.get_xscale() == "log" and tm.get_yscale() == "log"
+  assert bw.get_ylabel() == "busbw (GB/s)" and tm.get_ylabel() == "time (us)"
+  assert "message size" in tm.get_xlabel()
+  lines = [ln for ln in bw.get_lines() if not ln.get_label().startswith("_")]
+  assert [ln.get_label() for ln in lines] == ["scale_up/float32 (n=4), peak 50 GB/s",
+                                              "scale_out/float32 (n=2), peak 50 GB/s"]
+  recs = [r for r in run_folder.read_results(a) if r["collective"] == "all_reduce" and r["scope"] == "scale_up"]
+  assert list(lines[0].get_xdata()) == [r["bytes"] for r in recs]
+  assert list(lines[0].get_ydata()) == [r["busbw_gbps"] for r in recs]
+  assert os.path.getsize(tmp_path / "all_reduce.png") > 10_000
+  md = (tmp_path / "report.md").read_text()
+  assert "Average bus bandwidth" in md and "Alpha-beta model" in md and "![all_reduce.png](all_reduce.png)" in md
+  assert "Predicted times" in md and "| 16M |" in md
+  ((label, fits),) = rep.fits.items()
+  assert all(f.alpha_us == pytest.approx(20.0, rel=1e-6) for f in fits)
+
+
+def test_comparison_report_has_ratios_per_point_and_a_plot(runs_dir, tmp_path):
+  from microbench.report import build
+  root, a, b = runs_dir
+  rep = build.build([a, b], str(tmp_path))
+  assert {"compare_all_reduce.png", "compare_all_gather.png", "ratio_B_vs_A.png"} <= set(rep.figures)
+  comp = rep.figures["compare_all_reduce.png"]
+  assert [ax.get_title() for ax in comp.axes[:2]] == ["scale_up", "scale_out"]  # a panel per scope
+  assert [ln.get_label() for ln in comp.axes[0].get_lines() if not ln.get_label().startswith("_")] == [
+      "A (n=4), peak 50 GB/s", "B (n=4), peak 50 GB/s"]  # a line per run
+  ratio = rep.figures["ratio_B_vs_A.png"]
+  assert [ax.get_title() for ax in ratio.axes if ax.get_visible()] == ["all_reduce", "all_gather"]
+  ydata = next(ln for ln in ratio.axes[0].get_lines() if ln.get_label().startswith("scale_up")).get_ydata()
+  sizes = [2**k for k in range(10, 21, 2)]
+  assert list(ydata) == pytest.approx([(10 + s / 80e3) / (20 + s / 40e3) for s in sizes])
+  with open(tmp_path / "ratio_B_vs_A.csv", newline="") as f:
+    assert len(list(csv.reader(f))) == 1 + 4 * len(sizes)
+  assert "`B` (B) against `A` (A)" in rep.markdown
+
+
+def test_training_report_compares_strategies(runs_dir, tmp_path):
+  from microbench.report import build
+  root, _, _ = runs_dir
+  rep = build.build([str(root / "train")], str(tmp_path))
+  assert [t.label for t in rep.trains] == ["crashed", "dp8", "fsdp4-tp2"]
+  bars = rep.figures["train_throughput.png"]
+  thr, mfu = bars.axes
+  assert [t.get_text() for t in thr.get_yticklabels()] == ["crashed", "dp8", "fsdp4-tp2"]
+  assert [p.get_width() for p in mfu.patches] == pytest.approx([0.0, 30.0, 37.5])
+  assert [p.get_width() for p in thr.patches] == pytest.approx([0.0, 320.0, 400.0])
+  curves = rep.figures["train_curves.png"]
+  loss_ax, time_ax = curves.axes
+  assert loss_ax.get_ylabel() == "loss" and len(loss_ax.get_lines()) == 3
+  assert list(time_ax.get_lines()[1].get_xdata()) == [2, 3, 4, 5]  # warm-up steps are not step times
+  assert "Not finished (no summary): `crashed`" in rep.markdown
+  assert "| fsdp4-tp2 | gpt2-tiny (2 L) | fsdp:4,tp:2 | 8 |" in rep.markdown
+
+
+def test_report_command_line(runs_dir, tmp_path):
+  root, a, b = runs_dir
+  exe = [sys.executable, "-m", "microbench.cli.report"]
+  r = subprocess.run([*exe, a, b, f"--out={tmp_path / 'rep'}", "--predict=1M"], capture_output=True, text=True,
+                     timeout=120, env=clean_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr
+  assert "2 sweep(s), 0 training run(s)" in r.stdout and "| A | all_reduce | scale_up | float32 | 4 | 1M |" in r.stdout
+  assert (tmp_path / "rep" / "report.md").exists()
+  for args, msg in (([], "give one or more run folders"), ([str(tmp_path / "nope")], "no such folder"),
+                    ([str(tmp_path)], "holds no results.jsonl"), ([a, "--predict=12Q"], "--predict: bad size")):
+    r = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr

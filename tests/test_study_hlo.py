@@ -1,0 +1,134 @@
+"""Proxies derived from the compiled HLO of microbench-train's step: the event walk (loops by trip count,
+async pairs, every replica-group form, permutes), agreement with the training step's own communication
+fingerprint, and a clear refusal for strategies the trainer can't run yet."""
+
+from __future__ import annotations
+
+import pytest
+
+from microbench.hlo import parse as hlo
+from microbench.study import hlo_schedule as hs
+from microbench.study import schedules as sch
+from microbench.train import comm_fingerprint
+
+SYNTHETIC = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1},{2,3}}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+
+%body2 (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %y = f32[4]{0} all-to-all(%x), channel_id=7, replica_groups=[2,2]<=[4], dimensions={0}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+ENTRY %main (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %ag-start = (f32[2]{0}, f32[8]{0}) all-gather-start(%p0), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true
+  %ag-done = f32[8]{0} all-gather-done(%ag-start)
+  %w = (s32[], f32[8]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %rs = f32[2]{0} reduce-scatter(%x), channel_id=3, replica_groups=mesh['axis_0'=4] {'axis_0'}, dimensions={0}, to_apply=%add
+  %cp = f32[8]{0} collective-permute(%x), channel_id=4, source_target_pairs={{0,1},{1,0},{2,3},{3,2}}
+  %w2 = (s32[], f32[8]{0}) while(%t1), condition=%cond, body=%body2
+  ROOT %r = f32[8]{0} copy(%cp)
+}
+"""
+
+
+def test_events_walk_loops_async_pairs_and_group_forms():
+  evts, notes = hs.events(SYNTHETIC, 4)
+  kinds = [(e.kind, e.op) for e in evts]
+  assert kinds == [("start", "all_gather"), ("done", "")] + [("blocking", "all_reduce")] * 3 + [
+      ("blocking", "reduce_scatter"), ("blocking", "permute"), ("blocking", "all_to_all")]
+  ag, ar, rs, cp, a2a = evts[0], evts[2], evts[5], evts[6], evts[7]
+  assert ag.nbytes == 32 and ag.groups == ((0, 1, 2, 3),) and evts[1].name == ag.name == "ag-start"
+  assert ar.nbytes == 32 and ar.groups == ((0, 1), (2, 3))
+  assert rs.nbytes == 2 * 4 * 4 and rs.groups == ((0, 1, 2, 3),)  # reduce-scatter: input = output x group
+  assert cp.pairs == ((0, 1), (1, 0), (2, 3), (3, 2)) and sorted(cp.groups) == [(0, 1), (2, 3)]
+  assert a2a.groups == ((0, 1), (2, 3))
+  assert notes["unknown_trip_counts"] == 1 and notes["loops"][0]["trip_count"] == 3
+
+
+def test_ignoring_the_trip_count_would_undercount():
+  """Mutation: the same module with the trip count dropped counts the loop's all-reduce once, not 3 times."""
+  evts, _ = hs.events(SYNTHETIC.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""), 4)
+  assert sum(1 for e in evts if e.op == "all_reduce") == 1
+
+
+def test_schedule_from_events_maps_groups_to_ranks():
+  evts, _ = hs.events(SYNTHETIC, 4)
+  job = hs.schedule_from_events(evts, [3, 2, 1, 0], 1.0, "t", 4, (2, 2), ("data", "tensor"))
+  sch.check_consistent(job)
+  r3 = list(job.comms(3))  # device position 0 is rank 3
+  assert r3[0].op == "all_gather" and r3[0].group.ranks == (3, 2, 1, 0)
+  assert r3[1].group.ranks == (3, 2) and r3[1].group.kind == "tensor"
+  perm = next(c for c in r3 if c.op == "permute")
+  assert perm.pairs == ((0, 1), (1, 0)) and perm.group.ranks == (3, 2)
+  assert sch.compute_seconds(job, 0) == pytest.approx(1.0)
+  assert any(isinstance(s, sch.Start) for s in job.ranks[0]) and any(isinstance(s, sch.Wait) for s in job.ranks[0])
+
+
+def test_mesh_replica_groups_parse():
+  assert hlo.parse_mesh_groups("mesh['a'=2,'b'=3] {'b'}") == ((0, 1, 2), (3, 4, 5))
+  assert hlo.parse_mesh_groups("mesh['a'=2,'b'=3] {'a'}") == ((0, 3), (1, 4), (2, 5))
+  assert hlo.parse_mesh_groups("mesh['a'=2,'b'=2] {'a','b'}") == ((0, 1, 2, 3),)
+  with pytest.raises(ValueError):
+    hlo.parse_mesh_groups("mesh['a'=2] {'z'}")
+
+
+FAST = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(scope="module")
+def steps():
+  import jax
+  return {pf: hs.compile_step(pf, 4, devices=jax.devices()[:4], compiler_options=FAST)
+          for pf in ("gpt2-tiny,dp", "gpt2-tiny,fsdp")}
+
+
+@pytest.mark.parametrize("proxy_from", ["gpt2-tiny,dp", "gpt2-tiny,fsdp"])
+def test_derived_bytes_equal_the_training_steps_fingerprint(steps, proxy_from):
+  step = steps[proxy_from]
+  job = hs.from_step(step)
+  sch.check_consistent(job)
+  fp = comm_fingerprint.comm_fingerprint(step.text, 4)
+  derived: dict[str, int] = {}
+  for c in job.comms(0):
+    derived[c.op] = derived.get(c.op, 0) + sch.sent_bytes(c, 0)
+  want = {k.replace("-", "_"): v["bytes"] for k, v in fp.items()}
+  assert derived == pytest.approx(want, rel=1e-6, abs=8)
+  assert job.meta["strategy"] == proxy_from.split(",")[1] and job.gpus == 4
+
+
+def test_derived_dp_reduces_every_gradient(steps):
+  job = hs.from_step(steps["gpt2-tiny,dp"])
+  total = sum(sch.bytes_per_iteration(job, 0).values())
+  params = job.meta["params"]
+  # float32 gradients of every parameter, plus the loss; the tied embedding (vocab 256 x 64 = 16384) may be
+  # reduced once for each of its two uses
+  assert 4 * params <= total <= 4 * (params + 16384) + 64
+  hand = sch.build("dp", 4)
+  cmp = hs.compare(hand, job)
+  assert cmp["derived"]["total_rank0"] == total and cmp["difference_bytes"] == total - cmp["hand"]["total_rank0"]
+
+
+def test_unsupported_strategies_are_refused_in_one_line():
+  with pytest.raises(ValueError, match=r"no pipeline parallel \(pp\) yet.*derivable now: dp, fsdp"):
+    hs.training_parallelism("dp+pp", 16)
+  with pytest.raises(ValueError, match="MODEL,STRATEGY"):
+    hs.parse_proxy_from("llama3-8b")
+  assert hs.parse_proxy_from("llama3-8b,FSDP") == ("llama3", "8b", "fsdp")
+  assert hs.training_parallelism("fsdp", 16) == "dp:2,fsdp:8"

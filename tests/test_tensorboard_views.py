@@ -1,0 +1,168 @@
+"""What TensorBoard shows, read back through TensorBoard's own loaders and plugins (event multiplexer, data
+provider, the custom-scalars, hparams and images plugins): sweep steps on a log2 axis, the custom-scalars
+layout, training runs as HParams sessions with summary metrics at one step, and report figures as images."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from tensorboard import context as tb_request
+from tensorboard.backend.event_processing import data_provider as tb_data_provider
+from tensorboard.backend.event_processing import plugin_event_multiplexer
+from tensorboard.plugins import base_plugin
+from tensorboard.plugins.custom_scalar import custom_scalars_plugin
+from tensorboard.plugins.hparams import hparams_plugin
+from tensorboard.plugins.scalar import scalars_plugin
+from werkzeug import test as wtest
+from werkzeug import wrappers
+
+from microbench.output import run_folder
+from microbench.output.train_log import HPARAM_METRICS, HPARAMS, HPARAMS_LEAD, SUMMARY_STEP, TrainLog
+from test_report import synthetic_records
+
+COLLECTIVES = ("all_reduce", "all_gather")
+SCOPES = ("scale_up", "scale_out")
+
+
+def tensorboard(logdir: str):
+  """TensorBoard's data path as `tensorboard --logdir` builds it: multiplexer -> data provider -> plugins."""
+  mux = plugin_event_multiplexer.EventMultiplexer()
+  mux.AddRunsFromDirectory(logdir)
+  mux.Reload()
+  provider = tb_data_provider.MultiplexerDataProvider(mux, logdir)
+  plugins: dict = {}
+  ctx = base_plugin.TBContext(logdir=logdir, multiplexer=mux, data_provider=provider,
+                              plugin_name_to_instance=plugins)
+  plugins["scalars"] = scalars_plugin.ScalarsPlugin(ctx)  # custom scalars reads through it
+  return ctx, provider
+
+
+def write_sweep(path: str, records: list[dict]) -> None:
+  out = run_folder.RunOutputs(path, stream=open(os.devnull, "w"))
+  out.layout(COLLECTIVES, SCOPES)
+  for r in records:
+    out.record(r)
+  out.close()
+
+
+def write_train(path: str, parallelism: str, tokens_per_device: float, mfu: float, steps: int) -> None:
+  log = TrainLog(path)
+  config = {"kind": "config", "model": "gpt2", "size": "tiny", "layers": 2, "parallelism": parallelism,
+            "placement": "tp_inner", "mesh": "data=8", "batch": 8, "seq_len": 64, "dtype": "float32",
+            "devices": 8, "processes": 1, "topology": "racks:1,nodes:2,gpus:4", "device_kind": "cpu"}
+  log.line(config)
+  log.hparams(config)
+  for i in range(steps):
+    log.scalars({"train/loss": 5.0 - 0.1 * i, "train/step_time_s": 0.01}, i)
+  log.summary({"kind": "summary", "model": "gpt2", "item": "tokens", "tokens_per_s_per_device": tokens_per_device,
+               "mfu": mfu, "median_step_time_s": 0.01, "memory_per_device_bytes": 2**20, "flops_formula": "text",
+               "comm": {"all-reduce": {"count": 1, "bytes": 4096}}})
+  log.close()
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("runs")
+  sizes = [1024, 2048, 4096, 3 * 2**20]
+  write_sweep(str(root / "sweep_a"), synthetic_records(20.0, 40.0, sizes=sizes))
+  write_sweep(str(root / "sweep_b"), synthetic_records(10.0, 80.0, sizes=sizes))
+  write_train(str(root / "train" / "dp8"), "dp:8", 1000.0, 0.25, steps=10)
+  write_train(str(root / "train" / "fsdp4_tp2"), "fsdp:4,tp:2", 1250.0, 0.3, steps=4)
+  return str(root)
+
+
+def test_sweep_scalars_step_on_ten_log2_bytes(logdir):
+  _, provider = tensorboard(logdir)
+  data = provider.read_scalars(tb_request.RequestContext(), experiment_id="", plugin_name="scalars",
+                               downsample=1000)
+  points = data["sweep_a"]["busbw_gbps/all_reduce/scale_up/float32"]
+  assert [p.step for p in points] == [100, 110, 120, 216]  # 1K, 2K, 4K, 3M: 10 x log2(bytes), rounded
+  recs = [r for r in run_folder.read_results(os.path.join(logdir, "sweep_a"))
+          if (r["collective"], r["scope"]) == ("all_reduce", "scale_up")]
+  assert [p.value for p in points] == pytest.approx([r["busbw_gbps"] for r in recs])
+  assert [r["bytes"] for r in recs] == [1024, 2048, 4096, 3 * 2**20]  # exact sizes stay in the records
+  assert {f"time_us/{c}/{s}/float32" for c in COLLECTIVES for s in SCOPES} <= set(data["sweep_b"])
+
+
+def test_sweep_text_says_what_the_step_is(logdir):
+  _, provider = tensorboard(logdir)
+  tags = provider.list_tensors(tb_request.RequestContext(), experiment_id="", plugin_name="text")
+  assert "x_axis" in tags["sweep_a"]
+  text = provider.read_tensors(tb_request.RequestContext(), experiment_id="", plugin_name="text",
+                               downsample=10)["sweep_a"]["x_axis"][0].numpy.item().decode()
+  assert "10 x log2(bytes)" in text and "200 = 1 MiB" in text and "smoothing to 0" in text
+
+
+def test_custom_scalars_layout_charts_per_collective_and_per_scope(logdir):
+  ctx, provider = tensorboard(logdir)
+  assert "custom_scalars" in provider.list_plugins(tb_request.RequestContext(), experiment_id="")  # the tab shows
+  plugin = custom_scalars_plugin.CustomScalarsPlugin(ctx)
+  layout = json.loads(plugin.layout_impl(tb_request.RequestContext(), ""))
+  cats = {c["title"]: c["chart"] for c in layout["category"]}
+  assert len(cats) == 4  # the two runs' identical layouts merge
+  by_coll = cats["busbw (GB/s) " + run_folder._BY_COLLECTIVE]  # pylint: disable=protected-access
+  by_scope = cats["time (us) " + run_folder._BY_SCOPE]  # pylint: disable=protected-access
+  assert [c["title"] for c in by_coll] == ["all_reduce: busbw (GB/s)", "all_gather: busbw (GB/s)"]
+  assert [c["title"] for c in by_scope] == ["scale_up: time (us)", "scale_out: time (us)"]
+  # A chart's regex picks one line per scope (for a collective) or per collective (for a scope).
+  lines = plugin.scalars_impl(tb_request.RequestContext(), "sweep_a", by_coll[0]["multiline"]["tag"][0], "")
+  assert lines["regex_valid"] and set(lines[custom_scalars_plugin._TAG_TO_EVENTS_PROPERTY]) == {  # pylint: disable=protected-access
+      "busbw_gbps/all_reduce/scale_up/float32", "busbw_gbps/all_reduce/scale_out/float32"}
+  lines = plugin.scalars_impl(tb_request.RequestContext(), "sweep_b", by_scope[1]["multiline"]["tag"][0], "")
+  assert set(lines[custom_scalars_plugin._TAG_TO_EVENTS_PROPERTY]) == {  # pylint: disable=protected-access
+      "time_us/all_reduce/scale_out/float32", "time_us/all_gather/scale_out/float32"}
+
+
+def _hparams_post(ctx, route: str, body: dict) -> dict:
+  """POST to the hparams plugin's route as TensorBoard's frontend does."""
+  app = hparams_plugin.HParamsPlugin(ctx).get_plugin_apps()[route]
+  resp = wtest.Client(app, wrappers.Response).post("/", data=json.dumps(body), content_type="application/json")
+  assert resp.status_code == 200, resp.get_data(as_text=True)
+  return json.loads(resp.get_data(as_text=True))
+
+
+def test_training_runs_are_hparams_sessions_with_summary_metrics(logdir):
+  ctx, provider = tensorboard(logdir)
+  exp = _hparams_post(ctx, "/experiment", {"experimentName": ""})
+  names = [h["name"] for h in exp["hparamInfos"]]
+  assert set(names) == set(HPARAMS)
+  assert names[:5] == sorted(HPARAMS_LEAD)  # the strategy columns first: TensorBoard shows the first few
+  assert {m["name"]["tag"] for m in exp["metricInfos"]} == set(HPARAM_METRICS)
+  cols = [{"hparam": h, "includeInResult": True} for h in HPARAMS] + [
+      {"metric": {"tag": t, "group": ""}, "includeInResult": True} for t in HPARAM_METRICS]
+  groups = _hparams_post(ctx, "/session_groups", {"experimentName": "", "startIndex": 0, "sliceSize": 100,
+                                                  "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"],
+                                                  "colParams": cols})
+  sessions = {g["hparams"]["parallelism"]: g for g in groups["sessionGroups"]}
+  assert set(sessions) == {"dp:8", "fsdp:4,tp:2"}  # sweeps are not sessions
+  fsdp = sessions["fsdp:4,tp:2"]
+  assert fsdp["hparams"]["devices"] == 8 and fsdp["hparams"]["model"] == "gpt2"
+  metrics = {m["name"]["tag"]: m["value"] for m in fsdp["metricValues"]}
+  assert metrics["summary/tokens_per_s_per_device"] == 1250.0 and metrics["summary/mfu"] == pytest.approx(0.3)
+  assert metrics["summary/comm_bytes/all-reduce"] == 4096.0
+  assert fsdp["sessions"][0]["status"] == "STATUS_SUCCESS"
+  # Summary scalars sit at one step in every run, whatever its length.
+  data = provider.read_scalars(tb_request.RequestContext(), experiment_id="", plugin_name="scalars", downsample=100)
+  for run in ("train/dp8", "train/fsdp4_tp2"):
+    assert [p.step for p in data[run]["summary/mfu"]] == [SUMMARY_STEP]
+  assert [p.step for p in data["train/dp8"]["train/loss"]] == list(range(10))
+
+
+def test_report_figures_are_images_in_the_events(logdir, tmp_path):
+  from microbench.report import build
+  sweep = os.path.join(logdir, "sweep_a")
+  assert build.sweep_images(sweep, run_folder.read_results(sweep)) == 2
+  out = tmp_path / "report"
+  build.build([sweep, os.path.join(logdir, "sweep_b")], str(out))
+  _, provider = tensorboard(str(tmp_path))
+  blobs = provider.list_blob_sequences(tb_request.RequestContext(), experiment_id="", plugin_name="images")
+  assert {"report/compare_all_reduce", "report/ratio_sweep_b_vs_sweep_a"} <= set(blobs["report"])
+  _, provider = tensorboard(logdir)
+  blobs = provider.list_blob_sequences(tb_request.RequestContext(), experiment_id="", plugin_name="images")
+  assert set(blobs["sweep_a"]) == {"figures/all_reduce", "figures/all_gather"}
+  (seq,) = provider.read_blob_sequences(tb_request.RequestContext(), experiment_id="", plugin_name="images",
+                                        downsample=1, run_tag_filter=None)["sweep_a"]["figures/all_reduce"]
+  png = provider.read_blob(tb_request.RequestContext(), blob_key=seq.values[2].blob_key)
+  assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
