@@ -37,7 +37,7 @@ class Strategy:
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("pp", "pipeline parallel", "stage", ("layers",), implemented=False),
+    Strategy("pp", "pipeline parallel", "stage", ("layers",)),
     Strategy("dp", "data parallel", "data", ("batch",)),
     # FSDP (ZeRO-3): the batch is split like DP, and every weight along its `embed` (or output-channel)
     # dimension, so parameters, gradients and optimizer state are sharded; XLA gathers weights for use.
@@ -45,7 +45,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     # EP: experts split over `expert`; the batch too (outside the experts it is data parallel), tokens
     # go to their experts' owners and back with all-to-all (models.moe).
     Strategy("ep", "expert parallel", "expert", ("batch", "experts")),
-    Strategy("cp", "context (sequence) parallel", "context", ("act_seq",), implemented=False),
+    Strategy("cp", "context (sequence) parallel", "context", ("act_seq",)),
     # Megatron TP: QKV and MLP-up split by columns (heads / mlp), attention-out and MLP-down by rows,
     # the vocabulary split in the embedding and the LM head.
     Strategy("tp", "tensor parallel", "tensor",

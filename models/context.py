@@ -156,6 +156,18 @@ def _ring_bwd_local(q, k, v, out, lse, do, causal: bool):
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _varying(grads):
+  """Gradients typed as varying over the enclosing manual mesh axes, as their primals are (inside a pipeline
+  stage, whose stage and batch axes are manual, activations vary over all of them); the inner shard_map's
+  check_vma=False loses that typing, and a custom VJP must return its primals' types."""
+  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+  def one(g):
+    missing = tuple(a for a in manual if a not in jax.typeof(g).manual_axis_type.varying)
+    return jax.lax.pcast(g, missing, to="varying") if missing else g
+  return tuple(one(g) for g in grads)
+
+
 def _seq_spec(ndim: int) -> jax.P:
   return jax.P(None, AXIS, *([None] * (ndim - 2)))
 
@@ -176,10 +188,10 @@ def _ring_fwd(q, k, v, causal):
 def _ring_bwd(causal, res, do):
   q, k, v, out, lse = res
   lse_spec = jax.P(None, None, None, AXIS)
-  return jax.shard_map(functools.partial(_ring_bwd_local, causal=causal),
+  return _varying(jax.shard_map(functools.partial(_ring_bwd_local, causal=causal),
                        in_specs=(_seq_spec(5), _seq_spec(4), _seq_spec(4), _seq_spec(5), lse_spec, _seq_spec(5)),
                        out_specs=(_seq_spec(5), _seq_spec(4), _seq_spec(4)), axis_names={AXIS},
-                       check_vma=False)(q, k, v, out, lse, do)
+                       check_vma=False)(q, k, v, out, lse, do))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -245,8 +257,8 @@ def _ulysses_bwd(causal, res, do):
     _, vjp = jax.vjp(attend, qh, kh, vh)
     return tuple(to_sequence(g) for g in vjp(to_heads(do)))
   seq, heads = _seq_heads_spec(), _heads_spec()
-  return jax.shard_map(local, in_specs=(heads, heads, heads, seq), out_specs=(seq, seq, seq),
-                       axis_names=set(_ulysses_axes()), check_vma=False)(*res, do)
+  return _varying(jax.shard_map(local, in_specs=(heads, heads, heads, seq), out_specs=(seq, seq, seq),
+                                axis_names=set(_ulysses_axes()), check_vma=False)(*res, do))
 
 
 _ulysses.defvjp(_ulysses_fwd, _ulysses_bwd)

@@ -92,11 +92,12 @@ class ModelSpec:
 FAMILIES = {
     "gpt2": tuple(transformer.SIZES["gpt2"]),
     "llama3": tuple(transformer.SIZES["llama3"]),
+    "minerva": tuple(transformer.SIZES["minerva"]),
     "vit": tuple(vit.SIZES),
     "resnet": tuple(resnet.SIZES),
     "mixtral": tuple(mixtral.SIZES),
 }
-DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50", "mixtral": "8x7b"}
+DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "minerva": "7b", "vit": "h14", "resnet": "50", "mixtral": "8x7b"}
 
 
 def get_model(family: str, size: str | None = None, layers: int | None = None,

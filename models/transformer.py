@@ -51,8 +51,16 @@ SIZES: dict[str, dict[str, TransformerConfig]] = {
     },
     "llama3": {
         "tiny": _llama3(64, 2, 4, 2, 192, vocab=256, seq=128),
+        # 4 KV heads: tensor parallelism up to 4, as the study's 70B runs it (its CPU rehearsal shape)
+        "small": _llama3(128, 4, 8, 4, 448, vocab=512, seq=256),
         "8b": _llama3(4096, 32, 32, 8, 14336),
         "70b": _llama3(8192, 80, 64, 8, 28672),
+    },
+    # The study's DP+PP model (Minerva-7B, Mistral-shaped): Llama-3-8B's blocks with a 51,264-token
+    # vocabulary (Minerva's 51,200 padded to a multiple of 64) and untied embeddings give the study's
+    # 7,399,542,784 parameters; context 4096.
+    "minerva": {
+        "7b": _llama3(4096, 32, 32, 8, 14336, vocab=51264, seq=4096),
     },
 }
 

@@ -1,7 +1,7 @@
 """Pipeline schedules side by side: measured bubble against theory, and activation memory, per schedule.
 
 A stack of Llama-shaped blocks split over `--stages` devices (pipeline only, no other axis) runs its
-forward and backward under each schedule; `microbench.train.pipeline_bubble` times it with and without
+forward and backward under each schedule; `microbench.train.overheads` times it with and without
 the bubble (alternating, medians). The compiled temp memory shows what 1F1B saves over GPipe.
 
   python scripts/bench_pipeline.py --stages=4 --microbatches=8 --layers=8 --rounds=5
@@ -39,7 +39,7 @@ def main(argv):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
 
-  from microbench.train.pipeline_bubble import measure_bubble  # pylint: disable=g-import-not-at-top
+  from microbench.train.overheads import measure_bubble  # pylint: disable=g-import-not-at-top
   from models import pipeline, pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
   from models.layers import Block, BlockConfig  # pylint: disable=g-import-not-at-top
 
