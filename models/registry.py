@@ -92,10 +92,10 @@ class ModelSpec:
 FAMILIES = {
     "gpt2": tuple(transformer.SIZES["gpt2"]),
     "llama3": tuple(transformer.SIZES["llama3"]),
-    "minerva": tuple(transformer.SIZES["minerva"]),
     "vit": tuple(vit.SIZES),
     "resnet": tuple(resnet.SIZES),
     "mixtral": tuple(mixtral.SIZES),
+    "minerva": tuple(transformer.SIZES["minerva"]),
 }
 DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "minerva": "7b", "vit": "h14", "resnet": "50", "mixtral": "8x7b"}
 

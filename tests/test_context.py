@@ -139,3 +139,19 @@ def test_activation_memory_falls_with_context_degree():
   one = temp({"context": 1}, "ring")
   for impl in context.IMPLS:
     assert temp({"context": 4}, impl) <= 0.3 * one, impl
+
+
+@pytest.mark.parametrize("kw,line", [
+    (dict(model="llama3", size="tiny", parallelism="cp:8", seq_len=36), "cp:8 does not divide the sequence length 36"),
+    (dict(model="llama3", size="tiny", parallelism="cp:2,tp:2,dp:2", seq_len=32, context_impl="all_to_all"),
+     "--context_impl=all_to_all splits heads over cp x tp = 4, which does not divide the 2 kv heads"),
+    (dict(model="vit", size="tiny", parallelism="cp:2,dp:4"), "cp:2 splits a token sequence over devices; vit is"
+                                                               " not a language model"),
+    (dict(model="gpt2", size="tiny", parallelism="cp:2,dp:4", context_impl="striped"),
+     "unknown --context_impl='striped'; choose one of ring, all_to_all"),
+])
+def test_bad_context_requests_get_one_line(kw, line):
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(train.ConfigError) as e:
+    train.check_request(train.TrainConfig(**kw))
+  assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)

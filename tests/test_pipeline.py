@@ -260,3 +260,39 @@ def test_stage_transfers_in_the_compiled_program():
   forward = {(0, 4), (1, 5), (2, 6), (3, 7)}
   assert sorted(set(c.groups) for c in in_loop) == sorted([forward, {(b, a) for a, b in forward}])
   assert fp["all-gather"]["count"] >= 1 and fp["all-reduce"]["count"] >= 1  # FSDP gathers, gradient sums
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer's refusals: one line each, before anything compiles
+
+
+@pytest.mark.parametrize("kw,line", [
+    (dict(model="resnet", size="tiny", parallelism="pp:2,dp:4"),
+     "pp:2 splits a model's stack of layers and resnet has none to split"),
+    (dict(model="llama3", size="tiny", parallelism="pp:4,dp:2"), "pp:4 does not divide the model's 2 layers"),
+    (dict(model="llama3", size="tiny", layers=4, parallelism="pp:2,dp:4", schedule="interleaved",
+          virtual_stages=2, microbatches=3), "--schedule=interleaved needs --microbatches a multiple of the"
+                                             " pipeline stages (2); got 3"),
+    (dict(model="llama3", size="tiny", layers=4, parallelism="pp:2,dp:4", schedule="interleaved",
+          virtual_stages=4), "pp:2 x 4 virtual stages does not divide the model's 4 layers"),
+    (dict(model="llama3", size="tiny", parallelism="pp:2,dp:4", schedule="zero-bubble"),
+     "unknown --schedule='zero-bubble'; choose one of gpipe, 1f1b, interleaved"),
+    (dict(model="llama3", size="tiny", parallelism="dp:8", microbatches=4),
+     "--microbatches applies to pipeline parallelism (pp:S in --parallelism)"),
+    (dict(model="llama3", size="tiny", parallelism="pp:2,dp:4", grad_accum=2),
+     "--grad_accum=2 with pp:2: the pipeline's microbatches are its gradient accumulation"),
+    (dict(model="llama3", size="tiny", parallelism="pp:2,cp:2,dp:2", seq_len=32), "cp with pp is not supported"),
+])
+def test_bad_pipeline_requests_get_one_line(kw, line):
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  with pytest.raises(train.ConfigError) as e:
+    train.check_request(train.TrainConfig(**kw))
+  assert str(e.value).startswith(line) and "\n" not in str(e.value), str(e.value)
+
+
+def test_batch_must_split_into_microbatches_on_every_batch_shard():
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  cfg = train.TrainConfig(model="llama3", size="tiny", parallelism="pp:2,dp:4", batch=8, microbatches=4)
+  with pytest.raises(train.ConfigError, match=r"^--batch=8 is not divisible by microbatches x batch shards = 4 x 4"):
+    train.plan(cfg, jax.devices()[:8])
+  assert train.plan(dataclasses.replace(cfg, batch=16), jax.devices()[:8]).microbatches == 4

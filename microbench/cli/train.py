@@ -19,7 +19,7 @@ _M = {"module_name": "microbench.train"}
 
 flags.DEFINE_string("model", "gpt2", f"Model family: {', '.join(FAMILIES)}.", **_M)
 flags.DEFINE_string("size", None, "Size: " + "; ".join(f"{m}: {', '.join(s)}" for m, s in FAMILIES.items())
-                    + ". Default: gpt2 124m, llama3 8b, vit h14, resnet 50.", **_M)
+                    + ". Default: gpt2 124m, llama3 8b, vit h14, resnet 50, mixtral 8x7b, minerva 7b.", **_M)
 flags.DEFINE_integer("layers", None, "Override the size's layer count (run big shapes at small depth).", **_M)
 flags.DEFINE_string("parallelism", None, "Degrees, e.g. dp:2,fsdp:2,tp:2 (omitted ones are 1; the product is"
                     " the device count). Default: dp over every device. On CPU without JAX_NUM_CPU_DEVICES,"

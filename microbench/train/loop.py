@@ -252,6 +252,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": device.device_kind,
       "attention_impl": p.attention, "attention_note": p.attention_note,
       "schedule": p.schedule, "microbatches": p.microbatches if p.stages > 1 else None,
+      "virtual_stages": cfg.virtual_stages if p.stages > 1 else None,
+      "context_impl": cfg.context_impl if p.parallelism.degree("cp") > 1 else None,
       "moe_dispatch_impl": _dispatch(spec, device),
       "processes": jax.process_count(), "jax_version": jax.__version__,
       "environment": environment.capture() if writer_on else None,
