@@ -216,11 +216,33 @@ def _callees(ins: Instr) -> list[tuple[str, str]]:
   return out
 
 
+_BRANCHES = ("branch_computations", "true_computation", "false_computation")
+
+
+def _calls(comps: dict[str, Computation]) -> list[tuple[str, str, str, int | None]]:
+  """(caller, kind, callee, trip count of a while body, else None) for every call between computations,
+  loop conditions left out: the one walk both views of loop counts below share."""
+  out = []
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse_instruction(line)
+      if ins is None:
+        continue
+      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      for kind, callee in _callees(ins):
+        if kind != "condition":
+          out.append((comp.name, kind, callee, int(trip.group(1)) if kind == "body" and trip else None))
+  return out
+
+
 def execution_counts(hlo_text: str) -> dict[str, int | None]:
   """How many times each computation runs per execution of the module, following while bodies (times the
   loop's known trip count), fusions, calls and async computations from the entry. None: unknown (a while
   without known trip count, or a conditional branch, on the way)."""
   comps = computations(hlo_text)
+  calls: dict[str, list[tuple[str, str, int | None]]] = {}
+  for caller, kind, callee, trip in _calls(comps):
+    calls.setdefault(caller, []).append((kind, callee, trip))
   counts: dict[str, int | None] = {}
 
   def visit(name: str, times: int | None, depth: int = 0) -> None:
@@ -228,21 +250,9 @@ def execution_counts(hlo_text: str) -> dict[str, int | None]:
       return
     prev = counts.get(name, 0)
     counts[name] = None if prev is None or times is None else prev + times
-    for line in comps[name].lines:
-      ins = parse_instruction(line)
-      if ins is None:
-        continue
-      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
-      for kind, callee in _callees(ins):
-        if kind == "condition":
-          continue
-        if kind == "body":
-          factor = int(trip.group(1)) if trip else None
-        elif kind in ("branch_computations", "true_computation", "false_computation"):
-          factor = None
-        else:
-          factor = 1
-        visit(callee, None if times is None or factor is None else times * factor, depth + 1)
+    for kind, callee, trip in calls.get(name, []):
+      factor = trip if kind == "body" else None if kind in _BRANCHES else 1
+      visit(callee, None if times is None or factor is None else times * factor, depth + 1)
 
   for comp in comps.values():
     if comp.entry:
@@ -337,20 +347,10 @@ def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
   entry = next((c.name for c in comps.values() if c.entry), None)
   callers: dict[str, list[tuple[str, int, bool]]] = {}  # callee -> [(caller, factor, is_loop_body)]
   trips: dict[str, int | None] = {}
-  for comp in comps.values():
-    for line in comp.lines:
-      ins = parse_instruction(line)
-      if ins is None:
-        continue
-      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
-      for kind, callee in _callees(ins):
-        if kind == "condition":
-          continue
-        factor, is_body = 1, kind == "body"
-        if is_body:
-          trips[callee] = int(trip.group(1)) if trip else None
-          factor = trips[callee] or 1
-        callers.setdefault(callee, []).append((comp.name, factor, is_body))
+  for caller, kind, callee, trip in _calls(comps):
+    if kind == "body":
+      trips[callee] = trip
+    callers.setdefault(callee, []).append((caller, (trip or 1) if kind == "body" else 1, kind == "body"))
 
   runs: dict[str, int] = {}
   loop_of: dict[str, str | None] = {}
