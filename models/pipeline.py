@@ -127,6 +127,7 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
   layer_params, head_params, x_MbTD, targets_M = _varying((layer_params, head_params, x_MbTD, targets_M))
   f32 = jnp.float32
   table = jnp.asarray(sched.table)
+  moves = jnp.asarray(ps.sends(sched))  # [ticks, 2]: the same on every device
   fwd_pairs, bwd_pairs = transfer_pairs(s, v, +1), transfer_pairs(s, v, -1)
   stats_shape = jax.eval_shape(
       lambda: stage_fn(jax.tree.map(lambda a: a[0], layer_params), _varying(x_MbTD[0]))[2])
@@ -138,7 +139,8 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
     y, aux, _ = stage_fn(params, x)
     return _varying((y, aux.astype(f32)))
 
-  def tick(carry, rows):
+  def tick(carry, xs):
+    rows, move = xs
     stash_x, stash_g, g_layers, g_head, dx_M, loss, stats = carry
     row = rows[d]
     fc, fm, fs, fg = (jnp.maximum(row[i], 0) for i in (ps.F_CHUNK, ps.F_MB, ps.F_SLOT, ps.F_GSLOT))
@@ -184,9 +186,9 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
 
     send_g, g_layers, dx_M = jax.lax.cond(row[ps.B_CHUNK] >= 0, backward, no_backward, (g_layers, dx_M))
 
-    if s > 1:
-      recv_x = jax.lax.ppermute(send_x, AXIS, fwd_pairs)
-      recv_g = jax.lax.ppermute(send_g, AXIS, bwd_pairs)
+    if s > 1:  # a transfer runs on every stage or on none: only on ticks where some stage has data to send
+      recv_x = jax.lax.cond(move[0], lambda a: jax.lax.ppermute(a, AXIS, fwd_pairs), _varying, send_x)
+      recv_g = jax.lax.cond(move[1], lambda a: jax.lax.ppermute(a, AXIS, bwd_pairs), _varying, send_g)
     else:  # one device: chunk c hands over to chunk c+1 on itself
       recv_x, recv_g = send_x, send_g
     rxc, rgc = jnp.maximum(rx, 0), jnp.maximum(rg, 0)
@@ -204,7 +206,7 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
       zeros(jax.ShapeDtypeStruct((), f32)),
       zeros(stats_shape, f32),
   )
-  carry, _ = jax.lax.scan(tick, carry, table)
+  carry, _ = jax.lax.scan(tick, carry, (table, moves))
   _, _, g_layers, g_head, dx_M, loss, stats = carry
   # The objective is the mean over batch shards of each shard's loss. A gradient is summed over the
   # batch shards that share its parameter (not over `expert` for a local expert's weights: the
@@ -224,7 +226,10 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
   g_layers = jax.tree.map(reduce_grad, g_layers, layer_params, lp_specs)
   g_head = jax.tree.map(lambda g, p: reduce_grad(g, p, jax.P()), stage_sum(g_head), head_params)
   stats = jax.tree.map(lambda a: jax.lax.pmean(a, bax), stage_sum(stats))
-  dx_M = (stage_sum(dx_M) * (scale / shards)).astype(dx_M.dtype)  # stays split over the batch shards
+  # Summed in float32 (only stage 0's is non-zero, so nothing is lost): XLA:CPU's all-reduce promotion
+  # crashes on a bfloat16 psum written inside shard_map under a mesh context ("Invalid binary instruction
+  # opcode copy": the reduction's root is a sharding annotation turned copy).
+  dx_M = (stage_sum(dx_M.astype(f32)) * (scale / shards)).astype(dx_M.dtype)  # stays split over the batch shards
   return jax.lax.pmean(stage_sum(loss), bax) * scale, stats, g_layers, g_head, dx_M
 
 

@@ -221,6 +221,20 @@ def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -
   return Schedule(kind, s, m, v, table, x_depth, g_depth)
 
 
+def sends(sched: Schedule) -> np.ndarray:
+  """[ticks, 2] bool: whether any device sends an activation forward / a gradient back after each tick (the
+  last virtual stage's output goes to the head, the first's input gradient leaves the pipeline). The
+  executor moves data only on those ticks: a transfer is one collective over every stage, so it runs or not
+  for all of them together."""
+  s, nv = sched.stages, sched.stages * sched.virtual
+  d = np.arange(s)[None, :]
+  vs_f = sched.table[..., F_CHUNK] * s + d
+  vs_b = sched.table[..., B_CHUNK] * s + d
+  fwd = ((sched.table[..., F_CHUNK] >= 0) & (vs_f != nv - 1)).any(axis=1)
+  bwd = ((sched.table[..., B_CHUNK] >= 0) & (vs_b != 0)).any(axis=1)
+  return np.stack([fwd, bwd], axis=1)
+
+
 def no_bubble(sched: Schedule) -> Schedule:
   """The same work without the bubble, for timing: every device runs one forward and one backward per
   tick for M*V ticks, with the same transfers, in lockstep. Its values are meaningless (inputs are not

@@ -50,6 +50,8 @@ CASES = [
 # Pipeline, expert and context parallelism (the study's composites are the presets below).
 CASES += [
     ("gpt2", "dp:2,pp:4", {"microbatches": 4, "schedule": "1f1b", "layers": 4}),
+    # bfloat16 through the pipeline (a bfloat16 psum there once crashed XLA:CPU's compiler)
+    ("llama3", "dp:2,pp:2,tp:2", {"microbatches": 2, "dtype": "bfloat16"}),
     ("llama3", "fsdp:2,tp:2,cp:2", {"context_impl": "ring"}),
     ("gpt2", "fsdp:2,tp:2,cp:2", {"context_impl": "all_to_all"}),
 ]
