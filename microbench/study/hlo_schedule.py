@@ -157,7 +157,8 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
       return [b.strip().lstrip("%") for b in found.group(1).split(",")]
     return re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
 
-  def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None) -> list[Event]:
+  def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
+           ) -> list[Event]:
     if depth > 50:
       raise ValueError("HLO call graph too deep")
     out: list[Event] = []
@@ -179,15 +180,15 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
         count = int(trip.group(1)) if trip else None
         if (pipeline is not None and tick is None and body and count == pipeline.ticks
                 and sum(1 for ln in comps.get(body.group(1), []) if re.search(r"\sconditional\(", ln)) >= 2):
-          per_tick = [walk(body.group(1), depth + 1, t) for t in range(count)]
+          per_tick = [walk(body.group(1), depth + 1, t, note=t == 0) for t in range(count)]
           inner = [e for evts in per_tick for e in evts]
           if inner:
             notes["loops"].append({"body": body.group(1), "trip_count": count, "pipeline_ticks": True,
                                    "collectives": sum(1 for e in inner if e.kind != "done")})
           out += inner
           continue
-        inner = walk(body.group(1), depth + 1, tick, role) if body else []
-        if inner:
+        inner = walk(body.group(1), depth + 1, tick, role, note) if body else []
+        if inner and note:  # a loop inside the pipeline's ticks: noted for the first tick only
           notes["loops"].append({"body": body.group(1), "trip_count": count,
                                  "collectives": sum(1 for e in inner if e.kind != "done")})
           notes["unknown_trip_counts"] += 0 if trip else 1
@@ -195,17 +196,17 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
         continue
       if re.search(r"\sasync-start\(", line):  # a wrapped async collective: its callee's ops start here
         callee = re.search(r"calls=%?([\w.\-]+)", line)
-        for e in walk(callee.group(1), depth + 1, tick, role) if callee else []:
+        for e in walk(callee.group(1), depth + 1, tick, role, note) if callee else []:
           out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
         continue
       if re.search(r"\scall\(", line):
         for callee in re.findall(r"to_apply=%?([\w.\-]+)", line):
-          out += walk(callee, depth + 1, tick, role)
+          out += walk(callee, depth + 1, tick, role, note)
         continue
       if re.search(r"\sconditional\(", line):
         names = branches(line)
         if tick is not None and role is None:  # `lax.cond(run, op, skip)` of the tick body: the op last
-          op = walk(names[-1], depth + 1)
+          op = walk(names[-1], depth + 1, note=False)
           if op and all(e.op == "permute" for e in op if e.kind != "done"):
             # A transfer: forward if it sends to the next stage; on the ticks where some stage sends.
             a, b = next(e for e in op if e.kind != "done").pairs[0]
@@ -219,16 +220,16 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
           top_conditionals += 1
           col = ps.F_CHUNK if role == "forward" else ps.B_CHUNK
           stages = {d for d in range(s_count) if pipeline.table[tick, d, col] >= 0}
-          out += only(walk(names[-1], depth + 1, tick, role), stages)
+          out += only(walk(names[-1], depth + 1, tick, role, note), stages)
           role = None
           continue
         if tick is not None and role == "forward":  # the head, inside the forward: the last chunk's last stage
           last = pipeline.table.shape[1] - 1
           runs = pipeline.table[tick, last, ps.F_CHUNK] == pipeline.virtual - 1
-          out += only(walk(names[-1], depth + 1, tick, role), {last} if runs else set())
+          out += only(walk(names[-1], depth + 1, tick, role, note), {last} if runs else set())
           continue
         for callee in names:  # one branch runs; the first with collectives stands for all
-          inner = walk(callee, depth + 1, tick, role)
+          inner = walk(callee, depth + 1, tick, role, note)
           if inner:
             out += inner
             break
