@@ -30,7 +30,6 @@ class Strategy:
   title: str
   axis: str  # mesh axis it owns
   shards: tuple[str, ...]  # logical dimension names it splits over that axis
-  implemented: bool = True
 
 
 # Mesh axes, outermost first in the default placement (tensor innermost: it stays inside a node).
@@ -168,7 +167,7 @@ class Parallelism:
 
 def parse_parallelism(text: str, num_devices: int | None = None) -> Parallelism:
   """Parses `dp:2,fsdp:2,tp:2` (omitted strategies are 1) and checks the product is the device count."""
-  known = ",".join(s.flag for s in STRATEGIES if s.implemented)
+  known = ",".join(s.flag for s in STRATEGIES)
   values = {s.flag: 1 for s in STRATEGIES}
   seen = set()
   for part in filter(None, (p.strip() for p in text.split(","))):
@@ -181,9 +180,6 @@ def parse_parallelism(text: str, num_devices: int | None = None) -> Parallelism:
       raise ParallelismError(f"--parallelism={text} names {flag} twice")
     if deg < 1:
       raise ParallelismError(f"--parallelism={text}: the degree of {flag} must be >= 1")
-    strategy = STRATEGY_BY_FLAG[flag]
-    if deg > 1 and not strategy.implemented:
-      raise ParallelismError(f"{strategy.title} ({flag}) is not implemented yet; use {known}")
     seen.add(flag)
     values[flag] = deg
   par = Parallelism(tuple((s.flag, values[s.flag]) for s in STRATEGIES))

@@ -32,8 +32,7 @@ def test_parse_degrees_and_defaults():
     ("dp:2,dp:4", "twice"),
     ("mp:8", "bad --parallelism item"),
     ("dp=two", "bad --parallelism item"),
-    ("pp:2,dp:4", "not implemented yet"),
-    ("cp:8", "not implemented yet"),
+    ("pp:0,dp:8", "must be >= 1"),
 ])
 def test_parse_errors_are_one_line(text, match):
   with pytest.raises(par.ParallelismError, match=match) as e:

@@ -127,14 +127,10 @@ def test_derived_dp_reduces_every_gradient(steps):
   assert cmp["derived"]["total_rank0"] == total and cmp["difference_bytes"] == total - cmp["hand"]["total_rank0"]
 
 
-def test_unsupported_strategies_are_refused_in_one_line(monkeypatch):
-  assert hs.training_parallelism("dp+pp", 16) == "pp:8,dp:2"  # pipeline and expert parallelism run now
+def test_every_strategy_derives_and_bad_input_is_one_line():
+  assert hs.training_parallelism("dp+pp", 16) == "pp:8,dp:2"
+  assert hs.training_parallelism("dp+pp+tp", 32) == "pp:8,dp:1,tp:4"
   assert hs.training_parallelism("dp+pp+ep", 64) == "pp:8,dp:1,ep:8"
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from meshes import parallelism as par  # pylint: disable=g-import-not-at-top
-  monkeypatch.setitem(par.STRATEGY_BY_FLAG, "pp", dataclasses.replace(par.STRATEGY_BY_FLAG["pp"], implemented=False))
-  with pytest.raises(ValueError, match=r"no pipeline parallel \(pp\) yet.*derivable now: dp, fsdp$"):
-    hs.training_parallelism("dp+pp", 16)
   with pytest.raises(ValueError, match="MODEL,STRATEGY"):
     hs.parse_proxy_from("llama3-8b")
   assert hs.parse_proxy_from("llama3-8b,FSDP") == ("llama3", "8b", "fsdp")

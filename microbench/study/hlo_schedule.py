@@ -13,9 +13,7 @@ Replica groups (device positions in the compiled program's device assignment) be
 Compute has no per-op model here: the step's model FLOPs at the GPU's bf16 peak (100% MFU, like the study's
 compute-bound roofline), split evenly between the gaps around the collectives.
 
-A strategy the training command can't run yet is refused with one line, read from the strategy table
-(meshes.parallelism): pipeline and expert parallelism become derivable as soon as they are implemented
-there and in the models, without a change here.
+A pipelined step's tick loop is read tick by tick with its schedule table (`PipelineTicks`).
 """
 
 from __future__ import annotations
@@ -35,8 +33,6 @@ from microbench.study import workloads as wl
 
 OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
        "all-to-all": "all_to_all", "collective-permute": "permute"}
-TRAIN_FLAGS = {"dp": ("dp",), "fsdp": ("dp", "fsdp"), "dp+pp": ("pp", "dp"), "dp+pp+tp": ("pp", "dp", "tp"),
-               "dp+pp+ep": ("pp", "dp", "ep")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,14 +294,7 @@ def parse_proxy_from(text: str) -> tuple[str, str | None, str]:
 
 
 def training_parallelism(strategy: str, gpus: int) -> str:
-  """The study's degrees for `strategy` as a microbench-train --parallelism string; ValueError (one line)
-  when microbench-train can't run that strategy yet."""
-  missing = [f for f in TRAIN_FLAGS[strategy] if not par.STRATEGY_BY_FLAG[f].implemented]
-  if missing:
-    titles = ", ".join(f"{par.STRATEGY_BY_FLAG[f].title} ({f})" for f in missing)
-    can = [s for s, fl in TRAIN_FLAGS.items() if all(par.STRATEGY_BY_FLAG[f].implemented for f in fl)]
-    raise ValueError(f"--proxy_from=...,{strategy}: microbench-train has no {titles} yet, so there is no step "
-                     f"to read; derivable now: {', '.join(can)}")
+  """The study's degrees for `strategy` as a microbench-train --parallelism string."""
   return presets.parallelism(strategy, gpus)
 
 
