@@ -30,20 +30,21 @@ class Strategy:
   title: str
   axis: str  # mesh axis it owns
   shards: tuple[str, ...]  # logical dimension names it splits over that axis
-  implemented: bool = True
 
 
 # Mesh axes, outermost first in the default placement (tensor innermost: it stays inside a node).
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("pp", "pipeline parallel", "stage", ("layers",), implemented=False),
+    Strategy("pp", "pipeline parallel", "stage", ("layers",)),
     Strategy("dp", "data parallel", "data", ("batch",)),
     # FSDP (ZeRO-3): the batch is split like DP, and every weight along its `embed` (or output-channel)
     # dimension, so parameters, gradients and optimizer state are sharded; XLA gathers weights for use.
     Strategy("fsdp", "fully sharded data parallel", "fsdp", ("batch", "embed", "conv_out")),
-    Strategy("ep", "expert parallel", "expert", ("batch", "experts"), implemented=False),
-    Strategy("cp", "context (sequence) parallel", "context", ("act_seq",), implemented=False),
+    # EP: experts split over `expert`; the batch too (outside the experts it is data parallel), tokens
+    # go to their experts' owners and back with all-to-all (models.moe).
+    Strategy("ep", "expert parallel", "expert", ("batch", "experts")),
+    Strategy("cp", "context (sequence) parallel", "context", ("act_seq",)),
     # Megatron TP: QKV and MLP-up split by columns (heads / mlp), attention-out and MLP-down by rows,
     # the vocabulary split in the embedding and the LM head.
     Strategy("tp", "tensor parallel", "tensor",
@@ -166,7 +167,7 @@ class Parallelism:
 
 def parse_parallelism(text: str, num_devices: int | None = None) -> Parallelism:
   """Parses `dp:2,fsdp:2,tp:2` (omitted strategies are 1) and checks the product is the device count."""
-  known = ",".join(s.flag for s in STRATEGIES if s.implemented)
+  known = ",".join(s.flag for s in STRATEGIES)
   values = {s.flag: 1 for s in STRATEGIES}
   seen = set()
   for part in filter(None, (p.strip() for p in text.split(","))):
@@ -179,9 +180,6 @@ def parse_parallelism(text: str, num_devices: int | None = None) -> Parallelism:
       raise ParallelismError(f"--parallelism={text} names {flag} twice")
     if deg < 1:
       raise ParallelismError(f"--parallelism={text}: the degree of {flag} must be >= 1")
-    strategy = STRATEGY_BY_FLAG[flag]
-    if deg > 1 and not strategy.implemented:
-      raise ParallelismError(f"{strategy.title} ({flag}) is not implemented yet; use {known}")
     seen.add(flag)
     values[flag] = deg
   par = Parallelism(tuple((s.flag, values[s.flag]) for s in STRATEGIES))

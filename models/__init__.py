@@ -1,5 +1,6 @@
-"""Flax NNX models for training benchmarks: a decoder-only transformer (GPT-2 and Llama-3 shapes), ViT,
-ResNet-50; their synthetic data, optimizer, FLOP counts and train step."""
+"""Flax NNX models for training benchmarks: a decoder-only transformer (GPT-2 and Llama-3 shapes), a
+Mixtral-style mixture of experts, ViT, ResNet-50; their synthetic data, optimizer, FLOP counts and train
+step; pipeline, expert and context parallelism."""
 
 from models.registry import DEFAULT_SIZE, FAMILIES, ModelError, ModelSpec, get_model
 

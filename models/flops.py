@@ -6,6 +6,7 @@ the scores is needed), as MaxText and Megatron-LM count it today; the full-atten
 reported beside it:
   decoder: tokens x (6 x N_matmul + 6 x L x T x H x Dh),  N_matmul = block weights + LM head (d x V)
            (full attention: 12 x L x T x H x Dh)
+  MoE decoder: the same with the experts' weights counted k/E (the active ones) and the router (d x E)
   ViT:     images x (6 x N_matmul x T + 12 x L x T^2 x H x Dh + 6 x d x classes),  T = patches + 1
            (not causal: both conventions agree)
   ResNet:  images x 3 x sum over convs and the head of 2 x H_out x W_out x k^2 x C_in x C_out
@@ -18,6 +19,8 @@ from models.resnet import ResNetConfig
 from models.transformer import TransformerConfig
 from models.vit import ViTConfig
 
+MOE_FORMULA = ("tokens*(6*N_active + 6*L*T*H*Dh), causal attention counted half (full: 12*L*T*H*Dh),"
+               " N_active = attention + k/E of the experts + router + d*V head")
 DECODER_FORMULA = ("tokens*(6*N_matmul + 6*L*T*H*Dh), causal attention counted half (full: 12*L*T*H*Dh),"
                    " N_matmul = block weights + d*V head")
 VIT_FORMULA = "images*(6*N_matmul*T + 12*L*T^2*H*Dh + 6*d*classes), T = patches+1"
@@ -39,6 +42,18 @@ def decoder_step_flops(cfg: TransformerConfig, batch: int, seq_len: int, causal_
   if causal_half and b.causal:
     attn //= 2
   return float(batch * seq_len) * (6 * n_matmul + attn)
+
+
+def moe_step_flops(cfg, batch: int, seq_len: int, causal_half: bool = True) -> float:
+  """A Mixtral-style decoder (`models.mixtral.MixtralConfig`): each token runs k of the E experts."""
+  b, moe = cfg.block, cfg.moe
+  attn_w = b.d_model * b.head_dim * (2 * b.num_heads + 2 * b.num_kv_heads)
+  experts_w = moe.top_k * 3 * b.d_model * b.d_ff
+  n_active = cfg.num_layers * (attn_w + experts_w + b.d_model * moe.num_experts) + b.d_model * cfg.vocab_size
+  attn = 12 * cfg.num_layers * seq_len * b.num_heads * b.head_dim
+  if causal_half and b.causal:
+    attn //= 2
+  return float(batch * seq_len) * (6 * n_active + attn)
 
 
 def vit_step_flops(cfg: ViTConfig, batch: int) -> float:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshes.parallelism import constrain, constrain_for_use
+from models import context
 
 ACT_BTD = ("batch", "act_seq", "act_embed")
 ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")
@@ -27,6 +29,7 @@ ACT_BTKH = ("batch", "act_seq", "act_kv_heads", "act_head_dim")
 ACT_BTF = ("batch", "act_seq", "act_mlp")
 
 GATHERED = "gathered_weight"  # checkpoint name of every weight as gathered for use
+EXCHANGED = "exchanged"  # checkpoint name of what a collective brought (MoE tokens after their all-to-all)
 
 _VIEWS = frozenset({"sharding_constraint", "reshape", "transpose", "convert_element_type", "squeeze",
                     "broadcast_in_dim", "name"})
@@ -55,20 +58,39 @@ REMAT_POLICIES = {
     "save_qkv_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
 }
 ATTENTION_IMPLS = ("xla", "cudnn")
+CONTEXT_IMPLS = ("ring", "all_to_all")  # attention over a sequence split by `context` (models.context)
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # models.pipeline_schedule
+# Timing arms (values meaningless, only durations used): the pipeline without its idle ticks, the MoE layers
+# without their token exchange.
+WITHOUT = (None, "bubble", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-  """How the layers run (not what they compute): rematerialisation, scan, attention kernel."""
+  """How the layers run (not what they compute): rematerialisation, scan, attention kernels, and the
+  pipeline's schedule when the mesh splits the layers over `stage`."""
   remat: str = "dots_with_no_batch_dims_saveable"
   scan: bool = True  # False: the same stacked parameters, layers unrolled in the program
   attention: str = "xla"  # a concrete implementation; "auto" is resolved by the trainer
+  context_impl: str = "ring"  # with context parallelism
+  schedule: str = "1f1b"  # with pipeline parallelism
+  microbatches: int = 1  # pipeline microbatches per step
+  virtual_stages: int = 1  # layer chunks per pipeline stage (interleaved); parameters stacked [V, L/V, ...]
+  without: str | None = None  # a timing arm (WITHOUT); never for training
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat policy {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention {self.attention!r}: choose one of {', '.join(ATTENTION_IMPLS)}")
+    if self.context_impl not in CONTEXT_IMPLS:
+      raise ValueError(f"context_impl {self.context_impl!r}: choose one of {', '.join(CONTEXT_IMPLS)}")
+    if self.schedule not in PIPELINE_SCHEDULES:
+      raise ValueError(f"schedule {self.schedule!r}: choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    if self.microbatches < 1 or self.virtual_stages < 1:
+      raise ValueError(f"microbatches ({self.microbatches}) and virtual_stages ({self.virtual_stages}) must be >= 1")
+    if self.without not in WITHOUT:
+      raise ValueError(f"without {self.without!r}: choose one of {WITHOUT}")
 
 
 def project(x: jax.Array, w: jax.Array, in_dims: int = 1) -> jax.Array:
@@ -120,6 +142,11 @@ class BlockConfig:
     return self.d_model // self.num_heads
 
 
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Mean cross-entropy over every position, in float32 whatever the compute dtype."""
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+
 def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], init=None) -> nnx.Param:
   """A float32 parameter annotated with logical dimension names."""
   init = init or jax.nn.initializers.normal(0.02)
@@ -158,9 +185,9 @@ def rotary(x_BTNH: jax.Array, theta: float) -> jax.Array:
 class Attention(nnx.Module):
   """Multi-head / grouped-query attention; QKV split by heads (TP columns), output by rows."""
 
-  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, out_std: float, impl: str = "xla"):
+  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, out_std: float, execution: Execution = Execution()):
     d, n, k, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    self.cfg, self.impl = cfg, impl
+    self.cfg, self.impl, self.context_impl = cfg, execution.attention, execution.context_impl
     self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"))
     self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
     self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"))
@@ -183,7 +210,11 @@ class Attention(nnx.Module):
       q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
     q_BTNH, k_BTKH, v_BTKH = constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
     q_BTNH, k_BTKH, v_BTKH = (checkpoint_name(a, "qkv") for a in (q_BTNH, k_BTKH, v_BTKH))
-    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal, implementation=self.impl)
+    if context.context_size() > 1:  # the sequence is split over `context`: ring or all-to-all attention
+      o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, cfg.causal, self.context_impl)
+    else:
+      o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal,
+                                            implementation=self.impl)
     o_BTNH = checkpoint_name(constrain(o_BTNH, ACT_BTNH), "attention")
     out = project(o_BTNH, weight(self.wo, dt), in_dims=2)
     if cfg.use_bias:
@@ -223,10 +254,10 @@ class Mlp(nnx.Module):
 class Block(nnx.Module):
   """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, num_layers: int, attention: str = "xla"):
+  def __init__(self, cfg: BlockConfig, rngs: nnx.Rngs, num_layers: int, execution: Execution = Execution()):
     out_std = 0.02 / (2 * num_layers) ** 0.5  # GPT-2's scaled init of the residual projections
     self.norm1 = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, rngs)
-    self.attn = Attention(cfg, rngs, out_std, attention)
+    self.attn = Attention(cfg, rngs, out_std, execution)
     self.norm2 = Norm(cfg.d_model, cfg.norm, cfg.norm_eps, rngs)
     self.mlp = Mlp(cfg, rngs, out_std)
 
@@ -235,37 +266,86 @@ class Block(nnx.Module):
     return constrain(x_BTD + self.mlp(self.norm2(x_BTD)), ACT_BTD)
 
 
+# A block's extra outputs (a mixture-of-experts block's): its auxiliary loss (float32 scalar, added to the
+# objective) and statistics (float32 scalars, summed over layers, never differentiated).
+Stats = dict[str, jax.Array]
+
+
+def run_layers(graphdef: nnx.GraphDef, state: nnx.State, x_BTD: jax.Array, execution: Execution
+               ) -> tuple[jax.Array, jax.Array, Stats]:
+  """Stacked blocks (`state` leaves lead with the layer dim) in order: (x, summed aux loss, summed stats).
+
+  A block returns `x` or `(x, aux_loss, stats)`. Under a scan (or unrolled), each block rematerialised with
+  the execution's policy. The pipeline runs a stage's chunk of layers through this same function.
+  """
+  def body(carry, layer_state):
+    x, aux = carry
+    out = nnx.merge(graphdef, layer_state)(x)
+    x, a, stats = out if isinstance(out, tuple) else (out, jnp.zeros((), jnp.float32), {})
+    return (x, aux + a), stats
+
+  # Every policy but `full` keeps what an exchange brought, so recomputation never repeats an all-to-all.
+  policy = REMAT_POLICIES[execution.remat]
+  if execution.remat != "full":
+    policy = jax.checkpoint_policies.save_from_both_policies(
+        policy, jax.checkpoint_policies.save_only_these_names(EXCHANGED))
+  # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
+  body = jax.checkpoint(body, policy=policy, prevent_cse=not execution.scan)
+  # The aux-loss carry varies over the same manual mesh axes as the activations (inside a pipeline stage).
+  varying = tuple(jax.typeof(x_BTD).manual_axis_type.varying)
+  zero = jnp.zeros((), jnp.float32)
+  zero = jax.lax.pcast(zero, varying, to="varying") if varying else zero
+  if execution.scan:
+    (x_BTD, aux), stats = jax.lax.scan(body, (x_BTD, zero), state)
+  else:
+    carry, per_layer = (x_BTD, zero), []
+    for i in range(jax.tree.leaves(state)[0].shape[0]):
+      carry, st = body(carry, jax.tree.map(lambda a, i=i: a[i], state))
+      per_layer.append(st)
+    (x_BTD, aux) = carry
+    stats = jax.tree.map(lambda *a: jnp.stack(a), *per_layer) if per_layer and per_layer[0] else {}
+  return x_BTD, aux, {k: jnp.sum(v, axis=0) for k, v in stats.items()}
+
+
 class BlockStack(nnx.Module):
   """`num_layers` blocks whose parameters are stacked along a leading `layers` dimension.
 
   Run under `jax.lax.scan` (one block in the program whatever the depth: compile time and program size
   stay flat) or, with `Execution(scan=False)`, unrolled over the same stacked parameters. Each block is
   rematerialised with the `Execution.remat` policy. The leading dimension is named `layers` so the
-  logical-axis rules can place it (pipeline stages map `layers` to the `stage` axis).
+  logical-axis rules can place it (pipeline stages map `layers` to the `stage` axis). `make_block(rngs)`
+  builds one block (default: the dense `Block` of `cfg`).
   """
 
-  def __init__(self, cfg: BlockConfig, num_layers: int, rngs: nnx.Rngs, execution: Execution = Execution()):
+  def __init__(self, cfg: BlockConfig | None, num_layers: int, rngs: nnx.Rngs, execution: Execution = Execution(),
+               make_block: Callable[[nnx.Rngs], nnx.Module] | None = None):
     self.num_layers, self.execution = num_layers, execution
+    make_block = make_block or (lambda r: Block(cfg, r, num_layers, execution))
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-    def make(r: nnx.Rngs) -> Block:
-      return Block(cfg, r, num_layers, execution.attention)
+    def make(r: nnx.Rngs) -> nnx.Module:
+      return make_block(r)
 
     self.layers = make(rngs)
+    v = execution.virtual_stages
+    if v > 1:
+      # Interleaved pipeline: [L, ...] -> [V, L/V, ...] with dim 1 over `stage`, so device d holds layer
+      # chunks d, d+S, ... in place (split as [L] over stage, they would move every step). The values are
+      # those of the [L] stack: the same seed gives the same model whatever V.
+      if num_layers % v:
+        raise ValueError(f"{v} virtual stages do not divide the {num_layers} layers")
+      for _, var in nnx.iter_graph(self.layers):
+        if isinstance(var, nnx.Variable):
+          var.set_value(var[...].reshape(v, num_layers // v, *var.shape[1:]))
+          var.set_metadata(out_sharding=(None, *var.get_metadata()["out_sharding"]))
+
+  def run(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, Stats]:
+    """(x, aux loss, stats) after every block, in layer order (a `[V, L/V]` stack read as `[L]`)."""
+    graphdef, state = nnx.split(self.layers)
+    if self.execution.virtual_stages > 1:
+      state = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), state)
+    return run_layers(graphdef, state, x_BTD, self.execution)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    graphdef, state = nnx.split(self.layers)
-
-    def body(x, layer_state):
-      return nnx.merge(graphdef, layer_state)(x), None
-
-    ex = self.execution
-    # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
-    body = jax.checkpoint(body, policy=REMAT_POLICIES[ex.remat], prevent_cse=not ex.scan)
-    if ex.scan:
-      x_BTD, _ = jax.lax.scan(body, x_BTD, state)
-    else:
-      for i in range(self.num_layers):
-        x_BTD, _ = body(x_BTD, jax.tree.map(lambda a, i=i: a[i], state))
-    return x_BTD
+    return self.run(x_BTD)[0]

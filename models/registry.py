@@ -11,11 +11,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-from models import data, flops, resnet, transformer, vit
-from models.layers import Execution
+from models import data, flops, mixtral, moe, resnet, transformer, vit
+from models.layers import Execution, cross_entropy
 
 
 class ModelError(ValueError):
@@ -60,13 +59,14 @@ class ModelSpec:
       return data.lm_batch(key, batch, self.seq_len, c.vocab_size)
     return data.image_batch(key, batch, c.image_size, c.channels, c.num_classes)
 
-  def loss(self, model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
-    """Mean cross-entropy, computed in float32 whatever the compute dtype."""
+  def loss(self, model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(objective, stats): mean cross-entropy in float32 whatever the compute dtype, plus a mixture of
+    experts' auxiliary losses (its router statistics as stats); pipelined when the mesh has stages."""
     if self.kind == "lm":
-      logits, labels = model(batch["inputs"]), batch["targets"]
-    else:
-      logits, labels = model(batch["images"]), batch["labels"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+      return model.loss(batch["inputs"], batch["targets"])
+    if self.has_blocks:
+      return model.loss(batch["images"], batch["labels"])
+    return cross_entropy(model(batch["images"]), batch["labels"]), {}
 
   def step_flops(self, batch: int, causal_half: bool = True) -> float:
     """Model FLOPs per step (the MFU numerator); causal attention counted half unless `causal_half=False`."""
@@ -74,6 +74,8 @@ class ModelSpec:
       return flops.decoder_step_flops(self.config, batch, self.seq_len, causal_half)
     if self.family == "vit":
       return flops.vit_step_flops(self.config, batch)
+    if self.family == "mixtral":
+      return flops.moe_step_flops(self.config, batch, self.seq_len, causal_half)
     return flops.resnet_step_flops(self.config, batch)
 
   def tp_dims(self) -> dict[str, int]:
@@ -92,14 +94,17 @@ FAMILIES = {
     "llama3": tuple(transformer.SIZES["llama3"]),
     "vit": tuple(vit.SIZES),
     "resnet": tuple(resnet.SIZES),
+    "mixtral": tuple(mixtral.SIZES),
+    "minerva": tuple(transformer.SIZES["minerva"]),
 }
-DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "vit": "h14", "resnet": "50"}
+DEFAULT_SIZE = {"gpt2": "124m", "llama3": "8b", "minerva": "7b", "vit": "h14", "resnet": "50", "mixtral": "8x7b"}
 
 
 def get_model(family: str, size: str | None = None, layers: int | None = None,
-              seq_len: int | None = None) -> ModelSpec:
-  """The model `family` at `size` (default per family), optionally with fewer/more layers or another
-  sequence length."""
+              seq_len: int | None = None, capacity_factor: float | None = None,
+              moe_dispatch: str | None = None) -> ModelSpec:
+  """The model `family` at `size` (default per family), optionally with fewer/more layers, another
+  sequence length or (MoE) another expert capacity factor or token exchange."""
   if family not in FAMILIES:
     raise ModelError(f"unknown model {family!r}; choose one of {', '.join(FAMILIES)}")
   size = (size or DEFAULT_SIZE[family]).lower()
@@ -107,6 +112,11 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
     raise ModelError(f"unknown size {size!r} for {family}; choose one of {', '.join(FAMILIES[family])}")
   if layers is not None and layers < 1:
     raise ModelError(f"--layers must be >= 1, got {layers}")
+  for flag, value in (("capacity_factor", capacity_factor), ("moe_dispatch", moe_dispatch)):
+    if value is not None and family != "mixtral":
+      raise ModelError(f"--{flag} applies to mixtral (a mixture of experts); {family} has no experts")
+  if moe_dispatch is not None and moe_dispatch not in moe.DISPATCHES:
+    raise ModelError(f"unknown --moe_dispatch={moe_dispatch!r}; choose one of {', '.join(moe.DISPATCHES)}")
   if family in transformer.SIZES:
     cfg = transformer.SIZES[family][size]
     if layers:
@@ -117,11 +127,23 @@ def get_model(family: str, size: str | None = None, layers: int | None = None,
     if cfg.learned_positions and t > cfg.max_seq_len:
       raise ModelError(f"--seq_len={t} exceeds {family}-{size}'s {cfg.max_seq_len} learned positions")
     return ModelSpec(family, size, cfg, "lm", t, transformer.Transformer, flops.DECODER_FORMULA)
+  if family == "mixtral":
+    cfg = mixtral.SIZES[size]
+    if layers:
+      cfg = dataclasses.replace(cfg, num_layers=layers)
+    if capacity_factor is not None:
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity_factor=capacity_factor))
+    if moe_dispatch is not None:
+      cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch=moe_dispatch))
+    t = seq_len or cfg.max_seq_len
+    if t < 1:
+      raise ModelError(f"--seq_len must be >= 1, got {t}")
+    return ModelSpec(family, size, cfg, "lm", t, mixtral.Mixtral, flops.MOE_FORMULA)
   if family == "vit":
     cfg = vit.SIZES[size]
     if layers:
       cfg = dataclasses.replace(cfg, num_layers=layers)
     return ModelSpec(family, size, cfg, "image", cfg.seq_len, vit.ViT, flops.VIT_FORMULA)
   if layers:
-    raise ModelError("--layers applies to gpt2, llama3 and vit; resnet has a fixed depth per size")
+    raise ModelError("--layers applies to gpt2, llama3, vit and mixtral; resnet has a fixed depth per size")
   return ModelSpec(family, size, resnet.SIZES[size], "image", 0, resnet.ResNet, flops.RESNET_FORMULA)

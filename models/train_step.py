@@ -113,50 +113,55 @@ class Trainer:
     return out
 
   def loss_and_grads(self, params, rest, batch):
-    """(mean loss, float32 gradients in the parameters' shardings, new rest) over the whole batch."""
+    """(mean loss, float32 gradients in the parameters' shardings, new rest, stats) over the whole batch;
+    stats (a mixture of experts' router counts) are summed over microbatches."""
     graphdef, spec = self.graphdef, self.spec
 
     def loss_fn(p, r, b):  # `r` passed in, not closed over: BatchNorm updates it inside this trace
       model = nnx.merge(graphdef, p, r, copy=True)
-      loss = spec.loss(model, b)
+      loss, stats = spec.loss(model, b)
       _, _, new_rest = nnx.split(model, nnx.Param, ...)
-      return loss, new_rest
+      return loss, (new_rest, stats)
 
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
     if self.grad_accum == 1:
-      (loss, rest), grads = value_and_grad(params, rest, batch)
-      return loss, grads, rest
+      (loss, (rest, stats)), grads = value_and_grad(params, rest, batch)
+      return loss, grads, rest, stats
 
     def pin(tree):
       return jax.tree.map(jax.lax.with_sharding_constraint, tree, self.param_shardings)
 
     def body(carry, micro):
       loss_sum, grad_sum, r = carry
-      (loss, r), grads = value_and_grad(params, r, micro)
-      return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads)), r), None
+      (loss, (r, stats)), grads = value_and_grad(params, r, micro)
+      return (loss_sum + loss, pin(jax.tree.map(jnp.add, grad_sum, grads)), r), stats
 
     zeros = pin(jax.tree.map(jnp.zeros_like, params))
-    (loss_sum, grad_sum, rest), _ = jax.lax.scan(body, (jnp.float32(0), zeros, rest), self._microbatches(batch))
+    (loss_sum, grad_sum, rest), stats = jax.lax.scan(body, (jnp.float32(0), zeros, rest), self._microbatches(batch))
+    stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
     n = self.grad_accum  # equal microbatches: the mean of their means is the batch mean
-    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum), rest
+    return loss_sum / n, jax.tree.map(lambda g: g / n, grad_sum), rest, stats
 
   def step_fn(self) -> Callable:
-    """(params, rest, opt_state, batch) -> (params, rest, opt_state, {loss, grad_norm}), jitted and donating."""
+    """(params, rest, opt_state, batch) -> (params, rest, opt_state, {loss, grad_norm, stats...}), jitted and
+    donating."""
     tx = self.tx
 
     def step(params, rest, opt_state, batch):
-      loss, grads, new_rest = self.loss_and_grads(params, rest, batch)
+      loss, grads, new_rest, stats = self.loss_and_grads(params, rest, batch)
       grad_norm = optax.tree.norm(grads)  # before clipping, as MaxText and Megatron-LM log it
       updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), new_rest, opt_state, {"loss": loss, "grad_norm": grad_norm}
+      return (optax.apply_updates(params, updates), new_rest, opt_state,
+              {"loss": loss, "grad_norm": grad_norm, **stats})
 
     return jax.jit(step, in_shardings=(*self.state_shardings, self.batch_shardings),
                    out_shardings=(*self.state_shardings, self._replicated), donate_argnums=(0, 1, 2))
 
   def grads_fn(self) -> Callable:
-    """(params, rest, batch) -> (loss, gradients), jitted with the step's shardings (for equivalence tests)."""
+    """(params, rest, batch) -> (loss, gradients), jitted with the step's shardings (for equivalence tests
+    and the overhead timings: it donates nothing)."""
     def grads(params, rest, batch):
-      loss, g, _ = self.loss_and_grads(params, rest, batch)
+      loss, g, _, _ = self.loss_and_grads(params, rest, batch)
       return loss, g
 
     return jax.jit(grads, in_shardings=(self.param_shardings, self.rest_shardings, self.batch_shardings),

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.parallelism import constrain, mesh_degree
-from models.layers import ACT_BTD, BlockConfig, BlockStack, Execution, Norm, param, project, weight
+from models import pipeline
+from models.layers import (ACT_BTD, BlockConfig, BlockStack, Execution, Norm, Stats, cross_entropy, param, project,
+                          weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,14 +51,23 @@ SIZES: dict[str, dict[str, TransformerConfig]] = {
     },
     "llama3": {
         "tiny": _llama3(64, 2, 4, 2, 192, vocab=256, seq=128),
+        # 4 KV heads: tensor parallelism up to 4, as the study's 70B runs it (its CPU rehearsal shape)
+        "small": _llama3(128, 4, 8, 4, 448, vocab=512, seq=256),
         "8b": _llama3(4096, 32, 32, 8, 14336),
         "70b": _llama3(8192, 80, 64, 8, 28672),
+    },
+    # The study's DP+PP model (Minerva-7B, Mistral-shaped): Llama-3-8B's blocks with a 51,264-token
+    # vocabulary (Minerva's 51,200 padded to a multiple of 64) and untied embeddings give the study's
+    # 7,399,542,784 parameters; context 4096.
+    "minerva": {
+        "7b": _llama3(4096, 32, 32, 8, 14336, vocab=51264, seq=4096),
     },
 }
 
 
 class Transformer(nnx.Module):
-  """tokens [B, T] -> logits [B, T, V]."""
+  """tokens [B, T] -> logits [B, T, V]; `loss` gives the training objective (pipelined over `stage` when the
+  mesh has stages)."""
 
   def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs,
                execution: Execution = Execution()):
@@ -65,16 +76,26 @@ class Transformer(nnx.Module):
     self.embed = param(rngs, (cfg.vocab_size, d), ("vocab", "embed"))
     self.pos = param(rngs, (cfg.max_seq_len, d), ("pos", "embed"), jax.nn.initializers.normal(0.01)) \
         if cfg.learned_positions else None
-    self.blocks = BlockStack(cfg.block, cfg.num_layers, rngs, execution)
+    self.blocks = BlockStack(cfg.block, cfg.num_layers, rngs, execution, self._block_maker(cfg, execution))
     self.norm = Norm(d, cfg.block.norm, cfg.block.norm_eps, rngs)
     self.head = None if cfg.tie_embeddings else param(rngs, (d, cfg.vocab_size), ("embed", "vocab"))
 
-  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+  def _block_maker(self, cfg: TransformerConfig, execution: Execution):
+    """One block from its rngs; None: the dense `Block` (a mixture-of-experts model gives its own)."""
+    del cfg, execution
+    return None
+
+  def _positioned(self, x_BTD: jax.Array) -> jax.Array:
+    if self.pos is not None:
+      x_BTD = x_BTD + weight(self.pos, self.dtype)[:x_BTD.shape[1]]
+    return constrain(x_BTD, ACT_BTD)
+
+  def forward(self, tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array, Stats]:
+    """(logits [B, T, V], the blocks' summed aux loss, their stats)."""
     b, t = tokens_BT.shape
-    dt = self.dtype
     # The table is used gathered over FSDP (vocabulary split only, by TP): XLA partitions a lookup into
     # a vocab-sharded table as local lookups plus an all-reduce of the activations.
-    table_VD = weight(self.embed, dt)
+    table_VD = weight(self.embed, self.dtype)
     shards = mesh_degree(("batch",))
     tied_split = self.head is None and shards > 1 and b % shards == 0
     if tied_split:
@@ -87,16 +108,39 @@ class Transformer(nnx.Module):
       x_BTD = jax.vmap(lambda tab, tok: jnp.take(tab, tok, axis=0))(table_SVD, tokens_SBT).reshape(b, t, -1)
     else:
       x_BTD = jnp.take(table_VD, tokens_BT, axis=0)
-    if self.pos is not None:
-      x_BTD = x_BTD + weight(self.pos, dt)[:t]
-    x_BTD = constrain(x_BTD, ACT_BTD)
-    x_BTD = self.norm(self.blocks(x_BTD))
+    x_BTD = self._positioned(x_BTD)
+    x_BTD, aux, stats = self.blocks.run(x_BTD)
+    x_BTD = self.norm(x_BTD)
     if tied_split:
       x_SND = x_BTD.reshape(shards, -1, x_BTD.shape[-1])
       logits_SNV = jnp.einsum("snd,svd->snv", x_SND, table_SVD)
       logits_BTV = logits_SNV.reshape(b, t, -1)
-    elif self.head is None:
-      logits_BTV = project(x_BTD, table_VD.T)
     else:
-      logits_BTV = project(x_BTD, weight(self.head, dt))
-    return constrain(logits_BTV, ("batch", "act_seq", "act_vocab"))
+      logits_BTV = project(x_BTD, self._head_weight(table_VD))
+    return constrain(logits_BTV, ("batch", "act_seq", "act_vocab")), aux, stats
+
+  def _head_weight(self, table_VD: jax.Array) -> jax.Array:
+    return table_VD.T if self.head is None else weight(self.head, self.dtype)
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    return self.forward(tokens_BT)[0]
+
+  def loss(self, tokens_BT: jax.Array, targets_BT: jax.Array) -> tuple[jax.Array, Stats]:
+    """(mean cross-entropy + the blocks' aux losses, their stats), through the pipeline when the mesh has
+    stages: the embedding before it, the final norm, LM head and loss on its last stage, per microbatch."""
+    if pipeline.stages() == 1:
+      logits_BTV, aux, stats = self.forward(tokens_BT)
+      return cross_entropy(logits_BTV, targets_BT) + aux, stats
+    dt, tied = self.dtype, self.head is None
+    # Used whole on the last stage: the FSDP gather of the head happens once per step at the pipeline's edge.
+    head_w = self.embed if tied else self.head
+    norm_def, norm_state = nnx.split(self.norm)
+    head_params = {"norm": pipeline.values(norm_state), "w": head_w[...]}
+    x_BTD = self._positioned(jnp.take(weight(self.embed, dt), tokens_BT, axis=0))
+
+    def head_fn(hp, y_bTD, targets_bT):
+      w = hp["w"].astype(dt)
+      logits = project(nnx.merge(norm_def, hp["norm"])(y_bTD), w.T if tied else w)
+      return cross_entropy(logits, targets_bT)
+
+    return pipeline.stack_loss(self.blocks, x_BTD, targets_BT, head_fn, head_params)

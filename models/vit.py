@@ -13,7 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshes.parallelism import constrain
-from models.layers import ACT_BTD, BlockConfig, BlockStack, Execution, Norm, param, project, weight
+from models import pipeline
+from models.layers import (ACT_BTD, BlockConfig, BlockStack, Execution, Norm, Stats, cross_entropy, param, project,
+                          weight)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,7 @@ class ViT(nnx.Module):
     self.head = param(rngs, (d, cfg.num_classes), ("embed", "classes"), jax.nn.initializers.zeros)
     self.head_bias = param(rngs, (cfg.num_classes,), ("classes",), jax.nn.initializers.zeros)
 
-  def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+  def _embed(self, images_BHWC: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, self.dtype
     b, p, g = images_BHWC.shape[0], cfg.patch, cfg.image_size // cfg.patch
     x = images_BHWC.astype(dt).reshape(b, g, p, g, p, cfg.channels).transpose(0, 1, 3, 2, 4, 5)
@@ -68,6 +70,24 @@ class ViT(nnx.Module):
     x_BND = project(patches_BNP, weight(self.patch_embed, dt)) + weight(self.patch_bias, dt)
     cls = jnp.broadcast_to(weight(self.cls, dt), (b, 1, x_BND.shape[-1]))
     x_BTD = jnp.concatenate([cls, x_BND], axis=1) + weight(self.pos, dt)
-    x_BTD = constrain(x_BTD, ACT_BTD)
-    x_BD = self.norm(self.blocks(x_BTD))[:, 0]
+    return constrain(x_BTD, ACT_BTD)
+
+  def __call__(self, images_BHWC: jax.Array) -> jax.Array:
+    dt = self.dtype
+    x_BD = self.norm(self.blocks(self._embed(images_BHWC)))[:, 0]
     return x_BD @ weight(self.head, dt) + weight(self.head_bias, dt)
+
+  def loss(self, images_BHWC: jax.Array, labels_B: jax.Array) -> tuple[jax.Array, Stats]:
+    """(mean cross-entropy, {}), through the pipeline when the mesh has stages (patch embedding before it,
+    the final norm, class head and loss on its last stage)."""
+    if pipeline.stages() == 1:
+      return cross_entropy(self(images_BHWC), labels_B), {}
+    dt = self.dtype
+    norm_def, norm_state = nnx.split(self.norm)
+    head_params = {"norm": pipeline.values(norm_state), "w": self.head[...], "b": self.head_bias[...]}
+
+    def head_fn(hp, y_bTD, labels_b):
+      x_bD = nnx.merge(norm_def, hp["norm"])(y_bTD)[:, 0]
+      return cross_entropy(x_bD @ hp["w"].astype(dt) + hp["b"].astype(dt), labels_b)
+
+    return pipeline.stack_loss(self.blocks, self._embed(images_BHWC), labels_B, head_fn, head_params)

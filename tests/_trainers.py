@@ -24,16 +24,21 @@ from models.optimizer import adamw, sgd
 from models.train_step import Trainer
 
 FAST = {"xla_backend_optimization_level": 0}
-SEQ = {"gpt2": 32, "llama3": 32, "vit": None, "resnet": None}
+SEQ = {"gpt2": 32, "llama3": 32, "mixtral": 32, "vit": None, "resnet": None}
 
 
 def make_trainer(model: str, strategy: str, *, size: str = "tiny", layers: int | None = None, batch: int = 8,
                  seq_len: int | None = None, dtype=jnp.float32, tx=None, rules: par.LogicalRules = par.RULES,
-                 execution: Execution | None = None, grad_accum: int = 1) -> Trainer:
+                 execution: Execution | None = None, grad_accum: int = 1, capacity_factor: float | None = None
+                 ) -> Trainer:
+  """`capacity_factor` defaults to 0 (no drops) for the mixture of experts: routing is then the same however
+  the batch is split, so every strategy can be compared with one device."""
   p = par.parse_parallelism(strategy)
   assert jax.device_count() >= p.num_devices, "needs 8 CPU devices (JAX_NUM_CPU_DEVICES=8)"
   mesh = par.build_mesh(p, jax.devices()[:p.num_devices], par.axis_order("tp_inner", p))
-  spec = get_model(model, size, layers=layers, seq_len=seq_len or SEQ[model])
+  if model == "mixtral" and capacity_factor is None:
+    capacity_factor = 0.0
+  spec = get_model(model, size, layers=layers, seq_len=seq_len or SEQ[model], capacity_factor=capacity_factor)
   kw = {"execution": execution} if execution is not None else {}
   return Trainer(spec, mesh, dtype, tx if tx is not None else adamw(), batch, rules=rules,
                  grad_accum=grad_accum, **kw)
@@ -64,6 +69,10 @@ def sgd_run(t: Trainer, model: str, steps: int = STEPS, **ref_kw) -> tuple[list[
   """Losses over `steps` SGD steps (p <- p - LR * g, from the strategy's own gradients) and the first step's
   gradients as float32 arrays; one compiled gradient function serves both."""
   params_h, rest_h, batches_h = reference_state(model, **ref_kw)
+  ref_shapes = {k: v.shape for k, v in flat(params_h).items()}
+  # An interleaved pipeline stacks the layers [V, L/V, ...]: the same values in the same order as [L, ...].
+  shapes, treedef = jax.tree.flatten(t.abstract_params)
+  params_h = jax.tree.unflatten(treedef, [np.reshape(a, v.shape) for a, v in zip(jax.tree.leaves(params_h), shapes)])
   params = jax.device_put(params_h, t.param_shardings)
   rest = jax.device_put(rest_h, t.rest_shardings)
   batches = [jax.device_put(b, t.batch_shardings) for b in batches_h]
@@ -74,7 +83,7 @@ def sgd_run(t: Trainer, model: str, steps: int = STEPS, **ref_kw) -> tuple[list[
   for i in range(steps):
     loss, grads = grads_fn(params, rest, batches[i])
     losses.append(float(loss))
-    first = first or flat(grads)
+    first = first or {k: g.reshape(ref_shapes[k]) for k, g in flat(grads).items()}
     params = update(params, grads)
   return losses, first
 

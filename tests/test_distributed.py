@@ -140,3 +140,31 @@ def test_training_runs_as_a_distributed_job(tmp_path):
 
   dist, one = losses(out), losses(single)
   assert len(dist) == 3 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(dist, one)), (dist, one)
+
+
+def test_a_study_preset_runs_across_processes_with_the_launcher(tmp_path):
+  """--preset=study-dp-pp through microbench-launch, 2 processes x 4 CPU devices: pp:2 over the processes (each
+  stage in its own process, activations and gradients cross between them), dp:4 inside; the losses equal the
+  same preset in one process of 8 devices."""
+  import subprocess
+  import sys
+  from conftest import ROOT, clean_env
+
+  common = ["--preset=study-dp-pp", "--steps=3", "--warmup_steps=1", "--nomeasure_overheads"]
+  runs = {}
+  for name, launch in (("two", ["-m", "microbench.cli.launch", "--num_processes=2", "--devices_per_process=4",
+                                "--timeout=300", f"--log_dir={tmp_path / 'logs'}", "--", sys.executable]),
+                       ("one", [])):
+    out = tmp_path / name
+    env = clean_env(**({} if launch else {"JAX_NUM_CPU_DEVICES": "8"}))
+    r = subprocess.run([sys.executable, *launch, "-m", "microbench.cli.train", *common, f"--outdir={out}"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      runs[name] = [json.loads(line) for line in f]
+  config = runs["two"][0]
+  assert config["processes"] == 2 and config["parallelism"] == "pp:2,dp:4" and config["preset"] == "study-dp-pp"
+  assert "16 microbatches, gpipe" in config["preset_note"]
+  two, one = ([r["loss"] for r in recs if r["kind"] == "step"] for recs in (runs["two"], runs["one"]))
+  assert len(two) == 3 and all(abs(a - b) <= 1e-4 * max(1.0, abs(b)) for a, b in zip(two, one)), (two, one)
+  assert runs["two"][-1]["comm"]["collective-permute"]["count"] > 0

@@ -24,6 +24,7 @@ def test_parse_degrees_and_defaults():
   assert p.axis_sizes["data"] == 2 and p.axis_sizes["tensor"] == 2 and p.axis_sizes["stage"] == 1
   assert p.batch_shards == 4 and p.num_devices == 8
   assert str(par.parse_parallelism("tp:4")) == "tp:4"
+  assert par.parse_parallelism("dp:2,ep:4", 8).batch_shards == 8  # EP splits the batch too
 
 
 @pytest.mark.parametrize("text,match", [
@@ -31,8 +32,7 @@ def test_parse_degrees_and_defaults():
     ("dp:2,dp:4", "twice"),
     ("mp:8", "bad --parallelism item"),
     ("dp=two", "bad --parallelism item"),
-    ("pp:2,dp:4", "not implemented yet"),
-    ("ep:8", "not implemented yet"),
+    ("pp:0,dp:8", "must be >= 1"),
 ])
 def test_parse_errors_are_one_line(text, match):
   with pytest.raises(par.ParallelismError, match=match) as e:
@@ -42,13 +42,14 @@ def test_parse_errors_are_one_line(text, match):
 
 def test_rules_table():
   rules = dict(par.RULES)
-  assert rules["batch"] == ("data", "fsdp", "expert")  # expert: reserved, size 1 until EP exists
+  assert rules["batch"] == ("data", "fsdp", "expert")  # EP splits the batch outside the experts
+  assert rules["experts"] == ("expert",)
   assert rules["embed"] == ("fsdp",)
   for name in ("heads", "kv_heads", "mlp", "vocab", "act_heads", "act_mlp", "act_vocab"):
     assert rules[name] == ("tensor",), name
   for name in ("norm", "head_dim", "act_embed", "pos"):
     assert rules[name] is None, name
-  # Reserved for later strategies: in the vocabulary, mapped by rows marked not implemented.
+  # Pipeline and context parallelism: in the vocabulary and mapped, run by models.pipeline/context.
   assert {"stage", "expert", "context"} <= set(par.MESH_AXES)
   assert rules["layers"] == ("stage",) and rules["act_seq"] == ("context",)
   assert par.spec_for(("batch", None, "act_vocab")) == jax.P(("data", "fsdp", "expert"), None, "tensor")

@@ -113,10 +113,10 @@ def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):
     (["run", "--plan=/nonexistent"], "--out"),
     (["run", "--plan=/nonexistent", "--out=/tmp/microbench-study-none"], "cannot read the plan"),
     (["report", "--results=/nonexistent"], "no finished unit"),
-    (["schedule", "--proxy_from=gpt2-tiny,dp+pp", "--gpus=4"], "no pipeline parallel"),
+    (["schedule", "--proxy_from=resnet-tiny,dp+pp", "--gpus=4"], "resnet has none to split"),
     (["frobnicate"], "want one mode"),
-    (["plan", "--machine=testbed", "--size_divisor=8", "--derive=dp+pp=gpt2-tiny", "--out=/tmp/x"],
-     "no pipeline parallel"),
+    (["plan", "--machine=testbed", "--size_divisor=8", "--derive=dp+pp=gpt5-tiny", "--out=/tmp/x"],
+     "unknown model 'gpt5'"),
     (["plan", "--machine=testbed", "--size_divisor=8", "--derive=fsdp", "--out=/tmp/x"], "STRATEGY=MODEL"),
 ])
 def test_bad_input_is_one_line(args, needle):

@@ -150,7 +150,7 @@ def test_cli_compile_only(tmp_path):
     (["--parallelism=dp:3"], 8, "--parallelism=dp:3 uses dp:3 = 3 devices but 8 are available"),
     (["--size=tiny", "--parallelism=tp:8"], 8, "tp:8 does not divide gpt2-tiny's attention heads (4)"),
     (["--model=gpt3"], 8, "unknown model 'gpt3'; choose one of gpt2, llama3, vit, resnet"),
-    (["--model=llama3", "--size=3b"], 8, "unknown size '3b' for llama3; choose one of tiny, 8b, 70b"),
+    (["--model=llama3", "--size=3b"], 8, "unknown size '3b' for llama3; choose one of tiny, small, 8b, 70b"),
     (["--size=tiny", "--parallelism=dp:2,fsdp:2,tp:2", "--batch=6"], 8,
      "--batch=6 is not divisible by dp x fsdp = 4"),
     (["--model=llama3", "--size=tiny", "--parallelism=dp:2,tp:4"], 8,
@@ -162,6 +162,8 @@ def test_cli_compile_only(tmp_path):
     (["--remat=most"], 8, "--remat=most: choose one of none, full, dots_saveable"),
     (["--attention=flash"], 8, "--attention=flash: choose one of auto, xla, cudnn"),
     (["--clip_norm=-1"], 8, "--clip_norm=-1.0 must be >= 0"),
+    (["--preset=study-tp"], 8, "unknown --preset='study-tp'; choose one of study-dp, study-fsdp, study-dp-pp,"
+                               " study-dp-pp-tp, study-dp-pp-ep"),
 ])
 def test_bad_input_one_clear_line(args, devices, line):
   proc = _cli([*args, "--steps=2", "--warmup_steps=1", "--outdir=/nonexistent/never-written"], devices)

@@ -1,4 +1,5 @@
-"""microbench-train: Flax training throughput under DP/FSDP/TP (flags only; the work is in microbench.train)."""
+"""microbench-train: Flax training throughput under DP/FSDP/TP/PP/EP/CP and the study's presets (flags only; the
+work is in microbench.train, the presets in microbench.study.presets)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from absl import app, flags
 
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import distributed
+from microbench.study import presets
 from models import FAMILIES
 from models.layers import REMAT_POLICIES
 
@@ -17,7 +19,7 @@ _M = {"module_name": "microbench.train"}
 
 flags.DEFINE_string("model", "gpt2", f"Model family: {', '.join(FAMILIES)}.", **_M)
 flags.DEFINE_string("size", None, "Size: " + "; ".join(f"{m}: {', '.join(s)}" for m, s in FAMILIES.items())
-                    + ". Default: gpt2 124m, llama3 8b, vit h14, resnet 50.", **_M)
+                    + ". Default: gpt2 124m, llama3 8b, vit h14, resnet 50, mixtral 8x7b, minerva 7b.", **_M)
 flags.DEFINE_integer("layers", None, "Override the size's layer count (run big shapes at small depth).", **_M)
 flags.DEFINE_string("parallelism", None, "Degrees, e.g. dp:2,fsdp:2,tp:2 (omitted ones are 1; the product is"
                     " the device count). Default: dp over every device. On CPU without JAX_NUM_CPU_DEVICES,"
@@ -48,6 +50,28 @@ flags.DEFINE_string("attention", "auto", "Attention kernel: auto (cuDNN's fused 
 flags.DEFINE_bool("compile_only", False, "Compile the step for the mesh and report memory per device, FLOPs"
                   " and the communication fingerprint without running it.", **_M)
 flags.DEFINE_integer("seed", 0, "Seed of the parameters and the synthetic data.", **_M)
+flags.DEFINE_float("capacity_factor", None, "Mixture of experts: slots per expert = ceil(factor x tokens x"
+                   " top-k / experts) per routing group; tokens past it are dropped (counted). <= 0: never drop."
+                   " Default: the model's (1.25).", **_M)
+flags.DEFINE_string("moe_dispatch", None, "Mixture of experts: how tokens reach their experts: auto (XLA's"
+                    " ragged all-to-all on GPU, the capacity-padded all-to-all elsewhere), all_to_all or"
+                    " ragged_all_to_all.", **_M)
+flags.DEFINE_string("preset", None, "The multi-tenancy study's strategies as training runs: study-dp (ViT-H,"
+                    " DP), study-fsdp (Llama-3-8B, FSDP over min(g,8)), study-dp-pp (Minerva-7B, PP S=2 up to 8"
+                    " devices else 8), study-dp-pp-tp (Llama-3-70B, S=8, M=16, TP=4), study-dp-pp-ep (Mixtral-8x7B,"
+                    " S=8, M=16, EP=8). Sets model, shape, degrees, microbatches, schedule and batch, scaled to"
+                    " the devices present (printed); flags given explicitly win.", **_M)
+flags.DEFINE_integer("microbatches", None, "Pipeline parallelism: microbatches per step (default: the stage"
+                     " count); the global batch must divide into microbatches x batch shards.", **_M)
+flags.DEFINE_string("schedule", None, "Pipeline parallelism: gpipe, 1f1b (default) or interleaved (with"
+                    " --virtual_stages).", **_M)
+flags.DEFINE_integer("virtual_stages", 1, "Pipeline parallelism, --schedule=interleaved: layer chunks per"
+                     " stage (the stages x virtual stages must divide the layers).", **_M)
+flags.DEFINE_string("context_impl", "ring", "Context parallelism: ring (K/V passed round the ring, online"
+                    " softmax) or all_to_all (DeepSpeed-Ulysses: heads re-split over the context axis).", **_M)
+flags.DEFINE_bool("measure_overheads", True, "After the timed steps, time the forward+backward without the"
+                  " pipeline bubble (pp) and without the MoE token exchange (ep), alternating with the real"
+                  " one, and report each overhead's share.", **_M)
 flags.DEFINE_string("outdir", None, "Run folder (JSONL, TensorBoard, profile). Default:"
                     " runs/train/<model>-<size>_<parallelism>_<UTC time>.", **_M)
 flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the timed ones with"
@@ -69,15 +93,37 @@ def main(argv: list[str]) -> None:
       warmup_steps=FLAGS.warmup_steps, dtype=FLAGS.dtype, learning_rate=FLAGS.learning_rate, seed=FLAGS.seed,
       clip_norm=FLAGS.clip_norm, grad_accum=FLAGS.grad_accum, remat=FLAGS.remat, scan_layers=FLAGS.scan_layers,
       attention=FLAGS.attention, compile_only=FLAGS.compile_only,
+      capacity_factor=FLAGS.capacity_factor, moe_dispatch=FLAGS.moe_dispatch,
+      microbatches=FLAGS.microbatches, schedule=FLAGS.schedule, virtual_stages=FLAGS.virtual_stages,
+      context_impl=FLAGS.context_impl, measure_overheads=FLAGS.measure_overheads, preset=FLAGS.preset,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
       nodes_per_rack=FLAGS.nodes_per_rack)
   try:
-    train.check_request(cfg)  # before any device is touched
+    if FLAGS.preset is None:
+      train.check_request(cfg)  # before any device is touched
+    elif FLAGS.preset not in presets.PRESETS:
+      raise train.ConfigError(f"unknown --preset={FLAGS.preset!r}; choose one of {', '.join(presets.PRESETS)}")
     distributed.initialize(cluster_flags.settings())
     machine.prepare_cpu_devices(train.cpu_devices_wanted(cfg), FLAGS.distributed)
+    if FLAGS.preset is not None:
+      cfg = _with_preset(cfg)
+      train.check_request(cfg)
     train.run(cfg)
-  except train.ConfigError as e:
+  except (train.ConfigError, presets.PresetError) as e:
     raise app.UsageError(str(e)) from None
+
+
+def _with_preset(cfg):
+  """The request with the preset's fields for the devices present (flags given explicitly kept)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  explicit = {name: FLAGS[name].value for name in presets.FIELDS if FLAGS[name].present}
+  device = jax.devices()[0]
+  fields, note = presets.resolve(FLAGS.preset, jax.device_count(), device.platform, presets.device_memory(device),
+                                 explicit)
+  return dataclasses.replace(cfg, **fields, preset_note=note)
 
 
 def run() -> None:

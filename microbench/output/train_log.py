@@ -22,7 +22,9 @@ SUMMARY_STEP = 0
 HPARAMS = {"model": "string", "size": "string", "layers": "number", "parallelism": "string",
            "placement": "string", "mesh": "string", "batch": "number", "seq_len": "number", "dtype": "string",
            "devices": "number", "processes": "number", "topology": "string", "device_kind": "string",
-           "remat": "string", "grad_accum": "number", "attention_impl": "string", "scan_layers": "bool"}
+           "remat": "string", "grad_accum": "number", "attention_impl": "string", "scan_layers": "bool",
+           "schedule": "string", "microbatches": "number", "virtual_stages": "number", "context_impl": "string",
+           "moe_dispatch_impl": "string", "capacity_factor": "number", "preset": "string"}
 HPARAMS_LEAD = ("model", "size", "parallelism", "placement", "devices")  # the columns shown by default
 COMM_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 HPARAM_METRICS = {
@@ -31,6 +33,8 @@ HPARAM_METRICS = {
     "summary/mfu_full_attention": "MFU (full attention)",
     "summary/tflops_per_device": "TFLOP/s per device", "summary/median_step_time_s": "step time (s)",
     "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/compile_time_s": "compile time (s)",
+    "summary/bubble_measured": "pipeline bubble (measured)", "summary/bubble_theory": "pipeline bubble (theory)",
+    "summary/all_to_all_share": "all-to-all share", "summary/moe_dropped_fraction": "MoE assignments dropped",
     **{f"summary/comm_bytes/{op}": f"{op} bytes per step per device" for op in COMM_OPS},
 }
 

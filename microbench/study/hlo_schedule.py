@@ -13,9 +13,7 @@ Replica groups (device positions in the compiled program's device assignment) be
 Compute has no per-op model here: the step's model FLOPs at the GPU's bf16 peak (100% MFU, like the study's
 compute-bound roofline), split evenly between the gaps around the collectives.
 
-A strategy the training command can't run yet is refused with one line, read from the strategy table
-(meshes.parallelism): pipeline and expert parallelism become derivable as soon as they are implemented
-there and in the models, without a change here.
+A pipelined step's tick loop is read tick by tick with its schedule table (`PipelineTicks`).
 """
 
 from __future__ import annotations
@@ -29,13 +27,12 @@ import numpy as np
 
 from meshes import parallelism as par
 from microbench.hlo import parse as hlo
+from microbench.study import presets
 from microbench.study import schedules as sch
 from microbench.study import workloads as wl
 
 OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
        "all-to-all": "all_to_all", "collective-permute": "permute"}
-TRAIN_FLAGS = {"dp": ("dp",), "fsdp": ("dp", "fsdp"), "dp+pp": ("pp", "dp"), "dp+pp+tp": ("pp", "dp", "tp"),
-               "dp+pp+ep": ("pp", "dp", "ep")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +97,35 @@ def _components(pairs: Sequence[tuple[int, int]]) -> tuple[tuple[int, ...], ...]
   return tuple(tuple(sorted(c)) for c in comps.values())
 
 
-def events(text: str, devices: int) -> tuple[list[Event], dict]:
+@dataclasses.dataclass(frozen=True)
+class PipelineTicks:
+  """How to read a pipelined step: its schedule table and the stage of each device position. The tick loop
+  (a `while` whose trip count is the table's ticks; its top-level conditionals are the tick's forward and
+  backward, forward first, and the two transfers) is unrolled tick by tick: a collective inside the forward or
+  backward is kept only for the stages that run it at that tick (the table says which), a transfer only on the
+  ticks it runs; the head's conditional inside the forward runs on the last stage when it runs the last
+  chunk."""
+  table: np.ndarray  # [ticks, stages, columns] (models.pipeline_schedule)
+  sends: np.ndarray  # [ticks, 2]: a transfer forward / back runs after the tick (models.pipeline_schedule.sends)
+  stage_of: tuple[int, ...]  # stage of each device position
+  virtual: int
+
+  @property
+  def ticks(self) -> int:
+    return int(self.table.shape[0])
+
+
+def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tuple[list[Event], dict]:
   """The step's collective events in program order (loops unrolled by their trip counts), and notes
-  (each loop with collectives, and how many loops had no known trip count and were counted once)."""
+  (each loop with collectives, and how many loops had no known trip count and were counted once).
+
+  Outside a pipeline's tick loop one branch of a conditional stands for all (the first with collectives);
+  inside it, `pipeline` says which stages run which branch at each tick."""
+  from models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
+
   comps, entry = computations(text)
   notes: dict = {"loops": [], "unknown_trip_counts": 0}
+  s_count = 0 if pipeline is None else int(pipeline.table.shape[1])
 
   def collective(line: str, ins: hlo.Instruction, name: str) -> Event:
     found = hlo.find_collectives(line)[0]
@@ -117,10 +138,27 @@ def events(text: str, devices: int) -> tuple[list[Event], dict]:
     return Event("start" if ins.async_start else "blocking", OPS[ins.op], _nbytes(ins, len(groups[0])), groups,
                  name, pairs)
 
-  def walk(comp: str, depth: int) -> list[Event]:
+  def only(evts: list[Event], stages: set[int]) -> list[Event]:
+    """The events as run by the devices of `stages` only (a stage-local collective's groups lie in one stage)."""
+    out = []
+    for e in evts:
+      groups = tuple(g for g in e.groups if pipeline.stage_of[g[0]] in stages)
+      if groups or e.kind == "done":
+        out.append(dataclasses.replace(e, groups=groups) if e.kind != "done" else e)
+    return out
+
+  def branches(line: str) -> list[str]:
+    found = re.search(r"branch_computations=\{([^}]*)\}", line)
+    if found:
+      return [b.strip().lstrip("%") for b in found.group(1).split(",")]
+    return re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
+
+  def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
+           ) -> list[Event]:
     if depth > 50:
       raise ValueError("HLO call graph too deep")
     out: list[Event] = []
+    top_conditionals = 0
     for line in comps.get(comp, []):
       nm = _NAME.match(line)
       name = nm.group(1) if nm else ""
@@ -135,24 +173,62 @@ def events(text: str, devices: int) -> tuple[list[Event], dict]:
       if re.search(r"\swhile\(", line):
         body = re.search(r"body=%?([\w.\-]+)", line)
         trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-        inner = walk(body.group(1), depth + 1) if body else []
-        if inner:
-          notes["loops"].append({"body": body.group(1), "trip_count": int(trip.group(1)) if trip else None,
+        count = int(trip.group(1)) if trip else None
+        if (pipeline is not None and tick is None and body and count == pipeline.ticks
+                and sum(1 for ln in comps.get(body.group(1), []) if re.search(r"\sconditional\(", ln)) >= 2):
+          per_tick = [walk(body.group(1), depth + 1, t, note=t == 0) for t in range(count)]
+          inner = [e for evts in per_tick for e in evts]
+          if inner:
+            notes["loops"].append({"body": body.group(1), "trip_count": count, "pipeline_ticks": True,
+                                   "collectives": sum(1 for e in inner if e.kind != "done")})
+          out += inner
+          continue
+        inner = walk(body.group(1), depth + 1, tick, role, note) if body else []
+        if inner and note:  # a loop inside the pipeline's ticks: noted for the first tick only
+          notes["loops"].append({"body": body.group(1), "trip_count": count,
                                  "collectives": sum(1 for e in inner if e.kind != "done")})
           notes["unknown_trip_counts"] += 0 if trip else 1
-        out += inner * (int(trip.group(1)) if trip else 1)
+        out += inner * (count or 1)
         continue
       if re.search(r"\sasync-start\(", line):  # a wrapped async collective: its callee's ops start here
         callee = re.search(r"calls=%?([\w.\-]+)", line)
-        for e in walk(callee.group(1), depth + 1) if callee else []:
+        for e in walk(callee.group(1), depth + 1, tick, role, note) if callee else []:
           out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
         continue
-      if re.search(r"\s(call|conditional)\(", line):
-        for callee in re.findall(r"(?:to_apply|true_computation|false_computation)=%?([\w.\-]+)", line):
-          out += walk(callee, depth + 1)
-        branches = re.search(r"branch_computations=\{([^}]*)\}", line)
-        if branches:  # one branch runs; the first stands for all
-          out += walk(branches.group(1).split(",")[0].strip().lstrip("%"), depth + 1)
+      if re.search(r"\scall\(", line):
+        for callee in re.findall(r"to_apply=%?([\w.\-]+)", line):
+          out += walk(callee, depth + 1, tick, role, note)
+        continue
+      if re.search(r"\sconditional\(", line):
+        names = branches(line)
+        if tick is not None and role is None:  # `lax.cond(run, op, skip)` of the tick body: the op last
+          op = walk(names[-1], depth + 1, note=False)
+          if op and all(e.op == "permute" for e in op if e.kind != "done"):
+            # A transfer: forward if it sends to the next stage; on the ticks where some stage sends.
+            a, b = next(e for e in op if e.kind != "done").pairs[0]
+            s = pipeline.table.shape[1]
+            forward = pipeline.stage_of[b] == (pipeline.stage_of[a] + 1) % s
+            if pipeline.sends[tick, 0 if forward else 1]:
+              out += op
+            continue
+          # The tick's forward (the first compute branch) or backward (the second).
+          role = ("forward", "backward")[min(top_conditionals, 1)]
+          top_conditionals += 1
+          col = ps.F_CHUNK if role == "forward" else ps.B_CHUNK
+          stages = {d for d in range(s_count) if pipeline.table[tick, d, col] >= 0}
+          out += only(walk(names[-1], depth + 1, tick, role, note), stages)
+          role = None
+          continue
+        if tick is not None and role == "forward":  # the head, inside the forward: the last chunk's last stage
+          last = pipeline.table.shape[1] - 1
+          runs = pipeline.table[tick, last, ps.F_CHUNK] == pipeline.virtual - 1
+          out += only(walk(names[-1], depth + 1, tick, role, note), {last} if runs else set())
+          continue
+        for callee in names:  # one branch runs; the first with collectives stands for all
+          inner = walk(callee, depth + 1, tick, role, note)
+          if inner:
+            out += inner
+            break
     return out
 
   return walk(entry, 0), notes
@@ -218,19 +294,8 @@ def parse_proxy_from(text: str) -> tuple[str, str | None, str]:
 
 
 def training_parallelism(strategy: str, gpus: int) -> str:
-  """The study's degrees for `strategy` as a microbench-train --parallelism string; ValueError (one line)
-  when microbench-train can't run that strategy yet."""
-  missing = [f for f in TRAIN_FLAGS[strategy] if not par.STRATEGY_BY_FLAG[f].implemented]
-  if missing:
-    titles = ", ".join(f"{par.STRATEGY_BY_FLAG[f].title} ({f})" for f in missing)
-    can = [s for s, fl in TRAIN_FLAGS.items() if all(par.STRATEGY_BY_FLAG[f].implemented for f in fl)]
-    raise ValueError(f"--proxy_from=...,{strategy}: microbench-train has no {titles} yet, so there is no step "
-                     f"to read; derivable now: {', '.join(can)}")
-  d = wl.degrees(strategy, gpus)
-  parts = {"dp": f"dp:{d.data}", "fsdp": f"dp:{d.data},fsdp:{d.inner}", "dp+pp": f"pp:{d.stages},dp:{d.data}",
-           "dp+pp+tp": f"pp:{d.stages},dp:{d.data},tp:{d.inner}",
-           "dp+pp+ep": f"pp:{d.stages},dp:{d.data},ep:{d.inner}"}
-  return parts[strategy]
+  """The study's degrees for `strategy` as a microbench-train --parallelism string."""
+  return presets.parallelism(strategy, gpus)
 
 
 @dataclasses.dataclass
@@ -246,6 +311,7 @@ class CompiledStep:
   axis_order: tuple[str, ...]
   params: int
   devices: list
+  pipeline: PipelineTicks | None = None
 
 
 def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_len: int | None = None,
@@ -264,27 +330,41 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
   if len(devices) != gpus:
     raise ValueError(f"--proxy_from needs {gpus} devices to lay out the step, found {len(devices)}")
   global_batch = batch or wl.samples_per_iteration(strategy, gpus)
+  pipelined = par.parse_parallelism(parallelism).degree("pp") > 1
   cfg = train.TrainConfig(model=family, size=size, layers=layers, parallelism=parallelism, batch=global_batch,
                           seq_len=seq_len, dtype=dtype, steps=2, warmup_steps=1, write=False, verbose=False,
-                          compiler_options=compiler_options)
+                          compiler_options=compiler_options,
+                          microbatches=wl.MICROBATCHES if pipelined else None,
+                          schedule=presets.SCHEDULE if pipelined else None)
   try:
     p = train.plan(cfg, devices=devices)
   except train.ConfigError as e:
     raise ValueError(f"--proxy_from={proxy_from}: {e}") from None
-  trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0)
+  trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0,
+                    execution=p.execution())
   text = trainer.compile_step(compiler_options).as_text()
+  ticks = None
+  if p.stages > 1:
+    from models import pipeline, pipeline_schedule  # pylint: disable=g-import-not-at-top
+    sched = pipeline.schedule(p.schedule, p.stages, p.microbatches, cfg.virtual_stages)
+    names = list(p.mesh.axis_names)
+    shape = tuple(int(p.mesh.shape[a]) for a in names)
+    stage_of = tuple(int(np.unravel_index(i, shape)[names.index("stage")]) for i in range(p.mesh.size))
+    ticks = PipelineTicks(sched.table, pipeline_schedule.sends(sched), stage_of, sched.virtual)
   return CompiledStep(text, proxy_from, strategy, parallelism, global_batch, p.spec, p.mesh, p.axis_order,
-                      trainer.num_params, devices)
+                      trainer.num_params, devices, ticks)
 
 
 def from_step(step: CompiledStep, gpu: str = "A100") -> sch.JobSchedule:
   """The derived schedule of a compiled step (see the module docstring)."""
   gpus = len(step.devices)
-  evts, notes = events(step.text, gpus)
+  evts, notes = events(step.text, gpus, step.pipeline)
   position_rank = [step.devices.index(d) for d in step.mesh.devices.flat]
   flops = step.spec.step_flops(step.batch)
   meta = {"strategy": step.strategy, "proxy_from": step.proxy_from, "model": f"{step.spec.family}-{step.spec.size}",
-          "parallelism": step.parallelism, "batch": step.batch, "seq_len": step.spec.seq_len, "params": step.params,
+          "parallelism": step.parallelism, "batch": step.batch,
+          "pipeline": None if step.pipeline is None else {"schedule": presets.SCHEDULE, "ticks": step.pipeline.ticks,
+                                                          "microbatches": wl.MICROBATCHES}, "seq_len": step.spec.seq_len, "params": step.params,
           "step_flops": flops, "gpu": wl.gpu(gpu).name, "platform": step.devices[0].platform,
           "events": sum(1 for e in evts if e.kind != "done"), "hlo_notes": notes,
           "mesh": {a: int(step.mesh.shape[a]) for a in step.axis_order}}

@@ -17,8 +17,8 @@ import numpy as np
 
 from meshes import parallelism as par
 from meshes.topology import Topology, TopologyError, parse_topology
-from models import ModelError, ModelSpec, get_model
-from models.layers import REMAT_POLICIES
+from models import ModelError, ModelSpec, context, get_model, pipeline, pipeline_schedule
+from models.layers import CONTEXT_IMPLS, REMAT_POLICIES, Execution
 from models.train_step import Trainer, variable_spec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -49,6 +49,15 @@ class TrainConfig:
   attention: str = "auto"  # auto: cuDNN's fused kernel on NVIDIA GPUs where it applies, XLA elsewhere
   compile_only: bool = False  # compile and report memory, FLOPs and communication; run nothing
   seed: int = 0
+  capacity_factor: float | None = None  # MoE expert capacity (model default when None; <= 0: dropless)
+  moe_dispatch: str | None = None  # MoE token exchange (models.moe.DISPATCHES; default auto)
+  microbatches: int | None = None  # pipeline microbatches per step (pp only; default: the stage count)
+  schedule: str | None = None  # pipeline schedule (pp only; default 1f1b)
+  virtual_stages: int = 1  # layer chunks per stage (--schedule=interleaved)
+  context_impl: str = "ring"  # attention over a sequence split by cp
+  measure_overheads: bool = True  # pp: time the step without its bubble; ep: without its all-to-alls
+  preset: str | None = None  # the study preset that set this request (recorded, not interpreted here)
+  preset_note: str | None = None  # what the preset scaled to fit the devices
   outdir: str | None = None  # run folder; default runs/train/<name>-<UTC time>
   profile_steps: int = 0
   topology: str | None = None
@@ -72,12 +81,25 @@ class Plan:
   placement: dict[str, str]
   attention: str = "xla"  # the implementation that runs ("auto" resolved)
   attention_note: str = ""  # why
+  microbatches: int = 1  # pipeline microbatches (1 without pp)
+  schedule: str | None = None  # pipeline schedule (None without pp)
+
+  @property
+  def stages(self) -> int:
+    return self.parallelism.degree("pp")
+
+  def execution(self, without: str | None = None) -> Execution:
+    """How the layers run for this request (`without`: a timing arm, see models.layers.WITHOUT)."""
+    c = self.cfg
+    return Execution(remat=c.remat, scan=c.scan_layers, attention=self.attention, context_impl=c.context_impl,
+                     schedule=self.schedule or "1f1b", microbatches=self.microbatches,
+                     virtual_stages=c.virtual_stages, without=without)
 
 
 def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
   """Everything that can be checked before JAX sees a device."""
   try:
-    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len)
+    spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len, cfg.capacity_factor, cfg.moe_dispatch)
     parallelism = par.parse_parallelism(cfg.parallelism) if cfg.parallelism else None
     topology = parse_topology(cfg.topology) if cfg.topology else None
     if parallelism is not None:
@@ -109,7 +131,58 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
       if n % tp:
         raise ConfigError(f"tp:{tp} does not divide {cfg.model}-{spec.size}'s {what} ({n});"
                           " choose a tensor-parallel degree that divides it")
+  if parallelism is not None and (ep := parallelism.degree("ep")) > 1:
+    experts = getattr(getattr(spec.config, "moe", None), "num_experts", 0)
+    if not experts:
+      raise ConfigError(f"ep:{ep} splits experts and {cfg.model} has none; use --model=mixtral or another strategy")
+    if experts % ep:
+      raise ConfigError(f"ep:{ep} does not divide {cfg.model}-{spec.size}'s {experts} experts; choose an"
+                        " expert-parallel degree that divides it")
+  _check_pipeline(cfg, spec, parallelism)
+  _check_context(cfg, spec, parallelism)
   return spec, parallelism, topology
+
+
+def _check_pipeline(cfg: TrainConfig, spec: ModelSpec, parallelism: par.Parallelism | None) -> None:
+  pp = parallelism.degree("pp") if parallelism is not None else 1
+  if pp == 1:
+    for flag, given in (("microbatches", cfg.microbatches is not None), ("schedule", cfg.schedule is not None),
+                        ("virtual_stages", cfg.virtual_stages != 1)):
+      if given:
+        raise ConfigError(f"--{flag} applies to pipeline parallelism (pp:S in --parallelism); without a pipeline"
+                          " use --grad_accum for microbatches")
+    return
+  if not spec.has_blocks:
+    raise ConfigError(f"pp:{pp} splits a model's stack of layers and {cfg.model} has none to split (its stages"
+                      " differ in shape); use dp or fsdp")
+  if cfg.grad_accum > 1:
+    raise ConfigError(f"--grad_accum={cfg.grad_accum} with pp:{pp}: the pipeline's microbatches are its gradient"
+                      " accumulation; use --microbatches instead")
+  if parallelism.degree("cp") > 1:
+    raise ConfigError(f"cp with pp is not supported: the context exchanges would run inside one stage's branch of"
+                      f" the pipeline, where XLA's CPU runtime deadlocks; use cp:{parallelism.degree('cp')}"
+                      " without pp")
+  try:
+    pipeline_schedule.check(cfg.schedule or "1f1b", pp, cfg.microbatches or pp, cfg.virtual_stages)
+    pipeline.check_layers(spec.config.num_layers, pp, cfg.virtual_stages)
+  except pipeline_schedule.ScheduleError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _check_context(cfg: TrainConfig, spec: ModelSpec, parallelism: par.Parallelism | None) -> None:
+  if cfg.context_impl not in CONTEXT_IMPLS:
+    raise ConfigError(f"unknown --context_impl={cfg.context_impl!r}; choose one of {', '.join(CONTEXT_IMPLS)}")
+  cp = parallelism.degree("cp") if parallelism is not None else 1
+  if cp == 1:
+    return
+  if spec.kind != "lm":
+    raise ConfigError(f"cp:{cp} splits a token sequence over devices; {cfg.model} is not a language model (use"
+                      " gpt2, llama3, minerva or mixtral)")
+  b = spec.config.block
+  try:
+    context.check(cfg.context_impl, cp, spec.seq_len, b.num_heads, b.num_kv_heads, parallelism.degree("tp"))
+  except context.ContextError as e:
+    raise ConfigError(str(e)) from None
 
 
 def cpu_devices_wanted(cfg: TrainConfig) -> Topology | None:
@@ -149,16 +222,25 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
   except par.ParallelismError as e:
     raise ConfigError(str(e)) from None
   if cfg.batch % parallelism.batch_shards:
-    raise ConfigError(f"--batch={cfg.batch} is not divisible by dp x fsdp = {parallelism.batch_shards}:"
+    splitters = " x ".join(s.flag for s in par.STRATEGIES
+                           if "batch" in s.shards and parallelism.degree(s.flag) > 1) or "dp"
+    raise ConfigError(f"--batch={cfg.batch} is not divisible by {splitters} = {parallelism.batch_shards}:"
                       " every batch shard needs the same number of examples")
   if cfg.batch % (parallelism.batch_shards * cfg.grad_accum):
     raise ConfigError(f"--batch={cfg.batch} is not divisible by dp x fsdp x grad_accum ="
                       f" {parallelism.batch_shards * cfg.grad_accum}: every microbatch needs the same number of"
                       " examples on every batch shard")
+  pp = parallelism.degree("pp")
+  microbatches = (cfg.microbatches or pp) if pp > 1 else 1
+  if pp > 1 and cfg.batch % (parallelism.batch_shards * microbatches):
+    raise ConfigError(f"--batch={cfg.batch} is not divisible by microbatches x batch shards = {microbatches} x"
+                      f" {parallelism.batch_shards}: every pipeline microbatch needs the same number of examples on"
+                      " every batch shard")
   mesh = par.build_mesh(parallelism, devices, order)
   attention, why = choose_attention(cfg.attention, spec, cfg.dtype, devices[0], parallelism)
   return Plan(cfg, spec, parallelism, order, topology, note, mesh,
-              par.describe_placement(parallelism, order, topology), attention, why)
+              par.describe_placement(parallelism, order, topology), attention, why, microbatches,
+              (cfg.schedule or "1f1b") if pp > 1 else None)
 
 
 def _cudnn_obstacle(spec: ModelSpec, dtype: str, device: jax.Device, parallelism: par.Parallelism) -> str | None:
@@ -213,6 +295,8 @@ def check_shardable(trainer: Trainer, p: Plan) -> None:
         name = ".".join(str(getattr(k, "key", k)) for k in path)
         raise ConfigError(f"{'x'.join(f'{a}:{sizes[a]}' for a in axes)} does not divide dimension {dim} of"
                           f" parameter {name} {tuple(v.shape)}; choose degrees that divide the model's dims")
+  if p.spec.kind == "lm":  # context parallelism splits activations only: the sequence
+    touched |= {a for e in par.spec_for(("act_seq",)) if e for a in (e if isinstance(e, tuple) else (e,))}
   idle = sorted(used - touched)
   if idle:
     flags = [s.flag for s in par.STRATEGIES if s.axis in idle]

@@ -22,9 +22,9 @@ import numpy as np
 from meshes import parallelism as par
 from microbench.cluster import environment
 from microbench.output.train_log import TrainLog
-from microbench.train import comm_fingerprint, peaks
+from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
-from models.layers import Execution
+from models import moe, pipeline, pipeline_schedule
 from models.optimizer import AdamWConfig, adamw
 from models.train_step import Trainer
 
@@ -79,6 +79,24 @@ def format_table(summary: dict[str, Any]) -> str:
     rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
                          f" {_mib(s['device_memory_bytes'])} per device"))
   rows.append(("compile time", f"{s['compile_time_s']:.2f} s"))
+  if s.get("pipeline_schedule"):
+    text = (f"{s['pipeline_schedule']}, {s['pipeline_stages']} stages x {s['microbatches']} microbatches"
+            + (f" x {s['virtual_stages']} virtual stages" if s["virtual_stages"] > 1 else "")
+            + f", {s['stash_slots']} stage inputs stashed; bubble theory {s['bubble_theory']:.3f}")
+    if s.get("bubble_measured") is not None:
+      text += (f", measured {s['bubble_measured']:.3f} ({s['overhead_step_time_s'] * 1e3:.2f} ms forward+backward,"
+               f" {s['step_time_no_bubble_s'] * 1e3:.2f} ms without the bubble)")
+    rows.append(("pipeline", text))
+  if s.get("moe_dispatch"):
+    text = f"top-{s['moe_top_k']} of {s['moe_experts']} experts, {s['moe_dispatch']} dispatch"
+    if s.get("moe_dropped_fraction") is not None:
+      text += f", {100 * s['moe_dropped_fraction']:.2f} % of assignments dropped"
+    if s.get("all_to_all_share") is not None:
+      text += (f"; all-to-all share {s['all_to_all_share']:.3f} ({s['step_time_no_all_to_all_s'] * 1e3:.2f} ms"
+               f" without the exchanges)")
+    rows.append(("experts", text))
+  if s.get("context_impl"):
+    rows.append(("context", f"{s['context_impl']} attention over {s['context_degree']} devices"))
   if s["kind"] == "summary":
     rows.append(("final loss / grad norm", f"{s['final_loss']:.4f} / {s['final_grad_norm']:.4f}"))
   rows.append(("comm / step / device", _comm_text(s["comm"])))
@@ -146,6 +164,64 @@ def _scalar(x: jax.Array) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
 
+def _dispatch(spec, device: jax.Device) -> str | None:
+  """The MoE token exchange that runs on this platform (None: no experts)."""
+  cfg = getattr(spec.config, "moe", None)
+  return None if cfg is None else moe.dispatch_for(device.platform, cfg.dispatch)
+
+
+def _strategy_fields(p: Plan, spec, device: jax.Device) -> dict[str, Any]:
+  """What the pipeline, the experts and context parallelism are set to (None where not used)."""
+  out: dict[str, Any] = {"pipeline_schedule": None, "moe_dispatch": _dispatch(spec, device),
+                         "context_impl": None}
+  if p.stages > 1:
+    s, m, v = p.stages, p.microbatches, p.cfg.virtual_stages
+    sched = pipeline.schedule(p.schedule, s, m, v)
+    out.update(pipeline_schedule=p.schedule, pipeline_stages=s, microbatches=m, virtual_stages=v,
+               stash_slots=sched.x_slots, bubble_theory=pipeline_schedule.theory_bubble(p.schedule, s, m, v),
+               bubble_lockstep=sched.bubble(backward_cost=3.0))
+  if out["moe_dispatch"]:
+    out.update(moe_experts=spec.config.moe.num_experts, moe_top_k=spec.config.moe.top_k,
+               capacity_factor=spec.config.moe.capacity_factor, expert_degree=p.parallelism.degree("ep"))
+  if p.parallelism.degree("cp") > 1:
+    out.update(context_impl=p.cfg.context_impl, context_degree=p.parallelism.degree("cp"))
+  return out
+
+
+def _measure_overheads(cfg: TrainConfig, p: Plan, trainer: Trainer, state, batch, say) -> dict[str, Any]:
+  """pp: the bubble; ep with a mixture of experts: the all-to-all share. Each is the forward+backward
+  (no optimizer update, nothing donated) timed alternately with and without the overhead
+  (`microbench.train.overheads`). Two more compiles per overhead; after the timed steps, so they are never
+  charged to the step time."""
+  arms = []
+  if p.stages > 1:
+    arms.append("bubble")
+  if _dispatch(p.spec, p.mesh.devices.flat[0]) and p.parallelism.degree("ep") > 1:
+    arms.append("all_to_all")
+  if not arms:
+    return {}
+  params, rest = state
+
+  def runner(without):
+    t = trainer if without is None else Trainer(p.spec, p.mesh, trainer.dtype, trainer.tx, cfg.batch, cfg.seed,
+                                                execution=p.execution(without), grad_accum=cfg.grad_accum)
+    with t.context():
+      fn = t.grads_fn().lower(params, rest, batch).compile(cfg.compiler_options)
+    return lambda: jax.block_until_ready(fn(params, rest, batch))
+
+  say(f"  timing the step without {' and without '.join(a.replace('_', '-') for a in arms)}")
+  rounds = max(3, cfg.steps - cfg.warmup_steps)
+  medians = overheads.alternate({name: runner(name) for name in (None, *arms)}, rounds)
+  full = medians[None]
+  out: dict[str, Any] = {"overhead_step_time_s": full, "overhead_rounds": rounds}
+  if "bubble" in arms:
+    out.update(bubble_measured=overheads.share(full, medians["bubble"]), step_time_no_bubble_s=medians["bubble"])
+  if "all_to_all" in arms:
+    out.update(all_to_all_share=overheads.share(full, medians["all_to_all"]),
+               step_time_no_all_to_all_s=medians["all_to_all"])
+  return out
+
+
 def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   """Trains `cfg.steps` steps (+ `cfg.profile_steps` traced ones) and reports; returns the figures.
 
@@ -160,8 +236,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   say = print if (cfg.verbose and jax.process_index() == 0) else (lambda *a, **k: None)
 
   tx = adamw(AdamWConfig(learning_rate=cfg.learning_rate, clip_norm=cfg.clip_norm))
-  execution = Execution(remat=cfg.remat, scan=cfg.scan_layers, attention=p.attention)
-  trainer = Trainer(spec, mesh, DTYPES[cfg.dtype], tx, cfg.batch, cfg.seed, execution=execution,
+  trainer = Trainer(spec, mesh, DTYPES[cfg.dtype], tx, cfg.batch, cfg.seed, execution=p.execution(),
                     grad_accum=cfg.grad_accum)
   check_shardable(trainer, p)
 
@@ -176,6 +251,10 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "placement_map": p.placement, "topology": str(p.topology), "topology_note": p.topology_note,
       "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": device.device_kind,
       "attention_impl": p.attention, "attention_note": p.attention_note,
+      "schedule": p.schedule, "microbatches": p.microbatches if p.stages > 1 else None,
+      "virtual_stages": cfg.virtual_stages if p.stages > 1 else None,
+      "context_impl": cfg.context_impl if p.parallelism.degree("cp") > 1 else None,
+      "moe_dispatch_impl": _dispatch(spec, device),
       "processes": jax.process_count(), "jax_version": jax.__version__,
       "environment": environment.capture() if writer_on else None,
   }
@@ -188,6 +267,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       f" {p.topology_note}")
   for line in environment.header(config_record["environment"]) if writer_on else []:
     say(" " + line[1:])
+  if cfg.preset_note:
+    say(f"  preset {cfg.preset_note}")
   say(f"  mesh {mesh_text} (axes outer->inner {','.join(p.axis_order)})")
   for axis, where in p.placement.items():
     say(f"  {axis:7s} {where}")
@@ -221,6 +302,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "memory_per_device_bytes": per_device, "device_memory_bytes": device_memory,
       "fits": None if device_memory is None else per_device <= device_memory,
       "compile_time_s": compile_s, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
+      **_strategy_fields(p, spec, device),
   }
 
   if cfg.compile_only:
@@ -237,7 +319,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   jax.block_until_ready(batch)
 
   peak = peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
-  losses, norms, times = [], [], []
+  losses, norms, times, dropped, assigned = [], [], [], [], []
   total = cfg.steps + cfg.profile_steps
   for step in range(total):
     profiled = step >= cfg.steps
@@ -254,8 +336,13 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     norms.append(norm_v)
     times.append(dt)
     tflops = flops / dt / n / 1e12
-    out.line({"kind": "step", "step": step, "loss": loss_v, "grad_norm": norm_v, "step_time_s": dt,
-              "warmup": step < cfg.warmup_steps, "profiled": profiled})
+    record = {"kind": "step", "step": step, "loss": loss_v, "grad_norm": norm_v, "step_time_s": dt,
+              "warmup": step < cfg.warmup_steps, "profiled": profiled}
+    if "moe_dropped" in metrics:  # router counts, summed over layers and microbatches
+      dropped.append(_scalar(metrics["moe_dropped"]))
+      assigned.append(_scalar(metrics["moe_assignments"]))
+      record["moe_dropped_fraction"] = dropped[-1] / assigned[-1]
+    out.line(record)
     out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
                  f"train/{item}_per_s": items / dt, "train/tflops_per_device": tflops,
                  "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
@@ -266,6 +353,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
 
   timed = times[cfg.warmup_steps:cfg.steps]
   med = statistics.median(timed)
+  measured = _measure_overheads(cfg, p, trainer, (params, rest), batch, say) if cfg.measure_overheads else {}
   tflops = flops / med / n / 1e12
   tflops_full = flops_full / med / n / 1e12
   summary = {
@@ -277,6 +365,9 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "mfu": None if peak.tflops is None else tflops / peak.tflops,
       "mfu_full_attention": None if peak.tflops is None else tflops_full / peak.tflops,
       "final_loss": losses[cfg.steps - 1], "final_grad_norm": norms[cfg.steps - 1],
+      "moe_dropped_fraction": (sum(dropped[cfg.warmup_steps:cfg.steps]) / sum(assigned[cfg.warmup_steps:cfg.steps])
+                               if dropped else None),
+      **measured,
       "profile_dir": os.path.join(run_dir, "plugins", "profile") if (run_dir and cfg.profile_steps) else None,
   }
   out.line(summary)
