@@ -74,14 +74,16 @@ def _scores(q, k, scale):
   return jnp.einsum("bqkrh,btkh->bkrqt", q, k, preferred_element_type=jnp.float32) * scale
 
 
+def _ring_geometry(q):
+  """(ring size, this device's block, block length, softmax scale, the ring's permutation) inside the map."""
+  c = jax.lax.axis_size(AXIS)
+  return c, jax.lax.axis_index(AXIS), q.shape[1], q.shape[-1] ** -0.5, ring_pairs(c)
+
+
 def _ring_fwd_local(q, k, v, causal: bool):
   """Local blocks: q [B, Tc, K, R, H], k/v [B, Tc, K, H] -> (out like q, lse [B, K, R, Tc])."""
-  c = jax.lax.axis_size(AXIS)
-  me = jax.lax.axis_index(AXIS)
-  tc = q.shape[1]
-  scale = q.shape[-1] ** -0.5
+  c, me, tc, scale, shift = _ring_geometry(q)
   f32 = jnp.float32
-  shift = ring_pairs(c)
 
   def step(carry, i):
     o, m, l, k, v = carry
@@ -119,12 +121,8 @@ def _ring_fwd_local(q, k, v, causal: bool):
 
 def _ring_bwd_local(q, k, v, out, lse, do, causal: bool):
   """Second ring pass: (dq, dk, dv) for the local blocks."""
-  c = jax.lax.axis_size(AXIS)
-  me = jax.lax.axis_index(AXIS)
-  tc = q.shape[1]
-  scale = q.shape[-1] ** -0.5
+  c, me, tc, scale, shift = _ring_geometry(q)
   f32 = jnp.float32
-  shift = ring_pairs(c)
   delta = jnp.einsum("bqkrh,bqkrh->bkrq", do.astype(f32), out.astype(f32))
 
   def step(carry, i):

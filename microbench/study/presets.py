@@ -101,16 +101,6 @@ def fit_layers(model: str, size: str, full_layers: int, stages: int, parallelism
   return max(stages, min(full_layers, chunks * stages) // stages * stages)
 
 
-def device_memory(device) -> int | None:
-  """An accelerator's usable memory (XLA's allocator limit); None on CPU or where unknown."""
-  if device.platform == "cpu":
-    return None
-  try:
-    return int((device.memory_stats() or {}).get("bytes_limit")) or None
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 def resolve(name: str, devices: int, platform: str, memory: int | None,
             explicit: dict[str, Any]) -> tuple[dict[str, Any], str]:
   """(TrainConfig fields, a note saying what was scaled) for preset `name` on `devices` devices of

@@ -150,7 +150,7 @@ def _hlo_flops(compiled, loops: list[dict[str, Any]]) -> float | None:
     return None
 
 
-def _device_memory(device: jax.Device) -> int | None:
+def device_memory(device: jax.Device) -> int | None:
   """The accelerator's usable memory (XLA's allocator limit), None on CPU or where unknown."""
   if device.platform == "cpu":
     return None
@@ -286,7 +286,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     comm_note = ("on CPU, XLA's float-normalization-bf16 pass widens bfloat16 collectives to float32; the"
                  " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
   per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
-  device_memory = _device_memory(device)
+  memory_limit = device_memory(device)
   item = spec.item_name
   items = spec.items_per_step(cfg.batch)
   flops = spec.step_flops(cfg.batch)
@@ -299,8 +299,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "attention": p.attention, "attention_note": p.attention_note, "item": item, f"{item}_per_step": items,
       "flops_per_step": flops, "flops_per_step_full_attention": flops_full, "flops_formula": spec.flops_formula,
       "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
-      "memory_per_device_bytes": per_device, "device_memory_bytes": device_memory,
-      "fits": None if device_memory is None else per_device <= device_memory,
+      "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit,
+      "fits": None if memory_limit is None else per_device <= memory_limit,
       "compile_time_s": compile_s, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
       **_strategy_fields(p, spec, device),
   }
