@@ -296,3 +296,19 @@ def test_batch_must_split_into_microbatches_on_every_batch_shard():
   with pytest.raises(train.ConfigError, match=r"^--batch=8 is not divisible by microbatches x batch shards = 4 x 4"):
     train.plan(cfg, jax.devices()[:8])
   assert train.plan(dataclasses.replace(cfg, batch=16), jax.devices()[:8]).microbatches == 4
+
+
+def test_summary_counts_loops_nested_in_the_tick_loop_per_step():
+  """The scanned layers run inside each tick: the summary's loop line gives their iterations per step (trip
+  count x runs of the enclosing tick loop), not the trip count alone (the bug: 'x2 per step' for 8)."""
+  from microbench import train  # pylint: disable=g-import-not-at-top
+
+  cfg = train.TrainConfig(model="llama3", size="tiny", layers=4, parallelism="pp:2,dp:2,tp:2", batch=8, seq_len=16,
+                          microbatches=2, schedule="1f1b", compile_only=True, write=False, verbose=False)
+  r = train.run(cfg, train.plan(cfg, jax.devices()[:8]))
+  ticks = ps.make_schedule("1f1b", 2, 2).ticks
+  loops = r.summary["comm_loops"]
+  nested = [lp for lp in loops if lp["times"] > 1]
+  assert nested and all(lp["trip_count"] == 2 and lp["times"] == ticks for lp in nested), loops
+  text = train.format_table(r.summary)
+  assert f"x{2 * ticks} (2 x {ticks} runs, nested) per step" in text, text

@@ -101,7 +101,11 @@ def format_table(summary: dict[str, Any]) -> str:
     rows.append(("final loss / grad norm", f"{s['final_loss']:.4f} / {s['final_grad_norm']:.4f}"))
   rows.append(("comm / step / device", _comm_text(s["comm"])))
   for loop in s.get("comm_loops") or ():
-    trips = "unknown trip count, counted once" if loop["trip_count"] is None else f"x{loop['trip_count']}"
+    runs = max(loop.get("times", 1), 1)  # a loop nested in another runs once per outer iteration
+    if loop["trip_count"] is None:
+      trips = "unknown trip count, counted once per run" + (f" (x{runs} runs)" if runs > 1 else "")
+    else:
+      trips = f"x{loop['trip_count'] * runs}" + (f" ({loop['trip_count']} x {runs} runs, nested)" if runs > 1 else "")
     rows.append(("  in a loop", f"{trips} per step: {_comm_text(loop['ops'])} per iteration"))
   if s.get("comm_note"):
     rows.append(("  note", s["comm_note"]))
