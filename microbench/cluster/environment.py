@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from microbench.cluster import launch
+
 ENV_PREFIXES = ("NCCL_", "JAX_", "TF_CPP_")
 ENV_NAMES = ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
 # Distributions whose versions matter to a result: the JAX stack, its GPU/TPU plugins, NCCL's wheel.
@@ -51,7 +53,7 @@ def package_versions() -> dict[str, str | None]:
 
 def toolkit() -> dict[str, Any]:
   """microbench's version, and the git commit when it runs from a checkout."""
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  root = launch.REPO_ROOT
   info: dict[str, Any] = {"version": _safe(lambda: importlib.metadata.version("microbench")),
                           "git_commit": None, "git_dirty": None}
   if os.path.exists(os.path.join(root, ".git")):

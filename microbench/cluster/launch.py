@@ -29,7 +29,7 @@ ENV_JOB = "MICROBENCH_JOB"
 ENV_NUM_CPU_DEVICES = "JAX_NUM_CPU_DEVICES"
 
 EXIT_TIMEOUT = 124
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # microbench/cluster/ -> root
 
 
 class Interrupted(Exception):
