@@ -188,3 +188,22 @@ def test_execution_counts_follow_nested_loops_and_refuse_unknown_trip_counts():
   assert parse.reachable(NESTED, "outer_body") == {"outer_body", "inner_body"}
   found = {c.text.removeprefix("ROOT ").split()[0]: c for c in parse.find_collectives(NESTED)}
   assert found["%ar"].computation == "inner_body" and found["%ar3"].computation == "main"
+
+
+def test_async_starts_count_what_they_deliver():
+  """GPU's async forms: collective-permute-start returns (operand, output, u32 contexts) and counts its output
+  once; a combined all-reduce-start returns outputs only and is not halved; the mesh form with device_ids
+  gives its group size."""
+  text = "\n".join([
+      "  %cps = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}",
+      "  %ars = (f32[8]{0}, f32[16]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%add",
+      "  %rs = f32[32]{0} reduce-scatter(%q), replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([8]) "
+      "{'axis_1'}, dimensions={0}, to_apply=%add",
+  ])
+  by_op = {ins.op: ins for ins in parse.instructions(text)}
+  assert parse.moved_parts(by_op["collective-permute"]) == [("f32", 256)]
+  assert parse.moved_parts(by_op["all-reduce"]) == [("f32", 32), ("f32", 64)]
+  assert {c.op: c.elements for c in parse.find_collectives(text)} == {"collective-permute": 64, "all-reduce": 24,
+                                                                      "reduce-scatter": 32}
+  assert parse.group_size(by_op["reduce-scatter"].rest, 8) == 4
+  assert parse.replica_groups(by_op["reduce-scatter"].rest) == ((0, 1, 2, 3), (4, 5, 6, 7))

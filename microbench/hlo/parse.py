@@ -47,21 +47,31 @@ def parse_iota_groups(text: str) -> tuple[tuple[int, ...], ...]:
   return tuple(tuple(int(v) for v in row) for row in ids.reshape(g, s))
 
 
-_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_DEVICE_IDS = r"(?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+_MESH_GROUPS = re.compile(r"mesh\[([^\]]*)\]" + _DEVICE_IDS + r"\s*\{([^}]*)\}")
 
 
 def parse_mesh_groups(text: str) -> tuple[tuple[int, ...], ...]:
   """Expands the named-mesh replica-group form `mesh['axis_0'=4,'axis_1'=2] {'axis_0'}`: device ids laid out
-  row-major over the mesh, one group per combination of the other axes, members along the named axes."""
+  row-major over the mesh (or as its `device_ids=([dims]T(perm))` iota says), one group per combination of the
+  other axes, members along the named axes."""
   m = _MESH_GROUPS.fullmatch(text.strip())
   if not m:
     raise ValueError(f"unrecognised replica groups {text!r}")
   sizes = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
   names = [k for k, _ in sizes]
-  grouped = re.findall(r"'([^']+)'", m.group(2))
+  grouped = re.findall(r"'([^']+)'", m.group(4))
   if not sizes or any(g not in names for g in grouped):
     raise ValueError(f"unrecognised replica groups {text!r}")
-  ids = np.arange(int(np.prod([v for _, v in sizes]))).reshape([v for _, v in sizes])
+  ids = np.arange(int(np.prod([v for _, v in sizes])))
+  if m.group(2):
+    dims = [int(d) for d in m.group(2).split(",")]
+    if int(np.prod(dims)) != ids.size:
+      raise ValueError(f"unrecognised replica groups {text!r}")
+    ids = ids.reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(p) for p in m.group(3).split(",")])
+  ids = ids.reshape([v for _, v in sizes])
   order = [i for i, k in enumerate(names) if k not in grouped] + [names.index(g) for g in grouped]
   size = int(np.prod([dict(sizes)[g] for g in grouped])) if grouped else 1
   return tuple(tuple(int(v) for v in row) for row in ids.transpose(order).reshape(-1, size))
@@ -99,35 +109,60 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
       pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
       groups = _parse_list_of_lists(pm.group(1)) if pm else ()
     else:
-      gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
-                     r"mesh\[[^\]]*\]\s*\{[^}]*\})", rest)
-      if not gm:
-        groups = ()
-      elif gm.group(1).startswith("mesh"):
-        groups = parse_mesh_groups(gm.group(1))
-      elif gm.group(1).startswith("["):
-        groups = parse_iota_groups(gm.group(1))
-      else:
-        groups = _parse_list_of_lists(gm.group(1))
-    types, elements = result_arrays(ins.type_text, ins.async_start)
+      groups = replica_groups(rest)
+    types, elements = result_arrays(ins.type_text, ins.async_start and op in _PAIRED_STARTS)
     out.append(HloCollective(op, groups, line.strip(), tuple(types), elements, where.get(line, "")))
   return out
 
 
 _CONTEXT = ("u32", "s32")  # async -start tuples end with scalar context values
+# Async starts whose result is (operands, outputs[, contexts]); all-reduce-start returns its outputs only.
+_PAIRED_STARTS = ("all-gather", "collective-permute")
 
 
-def result_arrays(type_text: str, async_start: bool = False) -> tuple[list[str], int]:
-  """Element types and total element count of an instruction's result. An async `-start` returns
-  (operands, outputs[, contexts]): only the outputs count."""
-  arrays = [(dt, int(np.prod([int(d) for d in dims.split(",") if d] or [1])), dims)
-            for dt, dims in _ARRAY.findall(type_text)]
-  if async_start and type_text.lstrip().startswith("("):
-    while arrays and arrays[-1][0] in _CONTEXT and arrays[-1][2] == "":
+def replica_groups(rest: str) -> tuple[tuple[int, ...], ...]:
+  """The replica groups of an instruction (the text after its opcode), in any of XLA's printed forms
+  (explicit, iota, named mesh); () when it has none (`{}`: all devices)."""
+  gm = re.search(r"replica_groups=(\{(?:\{[\d,\s]*\},?)*\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|"
+                 r"mesh\[[^\]]*\](?:,\s*device_ids=\(\[[\d,]+\](?:T\([\d,]+\))?\))?\s*\{[^}]*\})", rest)
+  if not gm:
+    return ()
+  if gm.group(1).startswith("mesh"):
+    return parse_mesh_groups(gm.group(1))
+  if gm.group(1).startswith("["):
+    return parse_iota_groups(gm.group(1))
+  return _parse_list_of_lists(gm.group(1))
+
+
+def _result(type_text: str, paired: bool) -> list[tuple[str, str]]:
+  """(element type, dims) of each array of a result type; `paired`: an async -start returning (operands,
+  outputs[, scalar contexts]), of which only the outputs count."""
+  arrays = _ARRAY.findall(type_text)
+  if paired and type_text.lstrip().startswith("("):
+    while arrays and arrays[-1][0] in _CONTEXT and arrays[-1][1] == "":
       arrays.pop()
     if len(arrays) >= 2 and len(arrays) % 2 == 0:
       arrays = arrays[len(arrays) // 2:]
-  return [a[0] for a in arrays], sum(a[1] for a in arrays)
+  return arrays
+
+
+def _count(dims: str) -> int:
+  return int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+
+
+def result_arrays(type_text: str, async_start: bool = False) -> tuple[list[str], int]:
+  """Element types and total element count of an instruction's result; `async_start`: a (operands,
+  outputs[, contexts]) result, of which only the outputs count."""
+  arrays = _result(type_text, async_start)
+  return [dt for dt, _ in arrays], sum(_count(dims) for _, dims in arrays)
+
+
+def moved_parts(ins: Instruction) -> list[tuple[str, int]]:
+  """(element type, bytes) of each array a collective delivers per device: its result, outputs only for the
+  async starts that also return their operands (the one convention the fingerprint and the derived proxies
+  count bytes by)."""
+  arrays = _result(ins.type_text, ins.async_start and ins.op in _PAIRED_STARTS)
+  return [(dt, _BYTES[dt] * _count(dims)) for dt, dims in arrays if dt in _BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,35 +316,13 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u1
 _ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([\d,]*)\]")
 
 
-def array_parts(type_text: str) -> list[tuple[str, int]]:
-  """(element type, bytes) of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
-  out = []
-  for dt, dims in _ARRAY.findall(type_text):
-    if dt in _BYTES:
-      out.append((dt, _BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))))
-  return out
-
-
-def array_bytes(type_text: str) -> list[int]:
-  """Bytes of each array in an HLO type (`f32[8,64]{1,0}` or a tuple of them)."""
-  return [b for _, b in array_parts(type_text)]
-
-
 def group_size(rest: str, num_devices: int) -> int:
   """Devices per replica group, from any of XLA's printed forms (`{}` means all devices)."""
-  m = re.search(r"replica_groups=\{\{([\d,\s]*)\}", rest)
-  if m:
-    return len([v for v in m.group(1).split(",") if v.strip()])
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
-  if m:
-    return int(m.group(2))
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\].*?\}?\s*\{([^}]*)\}", rest)
-  if m:
-    sizes = dict((k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    names = re.findall(r"'([^']+)'", m.group(2))
-    if names and all(n in sizes for n in names):
-      return int(np.prod([sizes[n] for n in names]))
-  return num_devices
+  try:
+    groups = replica_groups(rest)
+  except ValueError:  # a form this parser doesn't know: the whole program's devices
+    return num_devices
+  return len(groups[0]) if groups and groups[0] else num_devices
 
 
 # ---------------------------------------------------------------------------------------------------------

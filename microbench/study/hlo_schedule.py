@@ -73,12 +73,7 @@ def computations(text: str) -> tuple[dict[str, list[str]], str]:
 
 def _nbytes(ins: hlo.Instruction, group: int) -> int:
   """Per-device bytes in nccl-tests' convention (as microbench.train.comm_fingerprint counts them)."""
-  parts = hlo.array_bytes(ins.type_text)
-  if ins.async_start and ins.op == "all-gather" and len(parts) >= 2:
-    parts = parts[len(parts) // 2:]  # all-gather-start returns (inputs, outputs)
-  elif ins.async_start and ins.op == "collective-permute" and parts:
-    parts = parts[:1]  # (operand, result, contexts...)
-  size = sum(parts)
+  size = sum(b for _, b in hlo.moved_parts(ins))
   return size * group if ins.op == "reduce-scatter" else size
 
 

@@ -33,9 +33,7 @@ def _ordered(table: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _parts(ins: hlo.Instruction, num_devices: int) -> list[tuple[str, int]]:
   """(dtype, bytes) of each array the collective moves, in the nccl-tests convention."""
-  parts = hlo.array_parts(ins.type_text)
-  if ins.async_start and ins.op == "all-gather" and len(parts) >= 2:
-    parts = parts[len(parts) // 2:]  # all-gather-start returns (inputs, outputs)
+  parts = hlo.moved_parts(ins)
   if ins.op == "reduce-scatter":
     g = hlo.group_size(ins.rest, num_devices)
     parts = [(dt, b * g) for dt, b in parts]
