@@ -207,3 +207,23 @@ def test_async_starts_count_what_they_deliver():
                                                                       "reduce-scatter": 32}
   assert parse.group_size(by_op["reduce-scatter"].rest, 8) == 4
   assert parse.replica_groups(by_op["reduce-scatter"].rest) == ((0, 1, 2, 3), (4, 5, 6, 7))
+
+
+CALLED = """
+%inner (p: f32[8]) -> f32[8] {
+  ROOT %ar = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  ROOT %c = f32[8]{0} call(%a), to_apply=%inner
+}
+"""
+
+
+def test_a_called_computation_runs_and_a_reduction_does_not():
+  """`call`'s to_apply is its callee (its collectives run); an all-reduce's to_apply is a reduction."""
+  assert parse.execution_counts(CALLED) == {"main": 1, "inner": 1}

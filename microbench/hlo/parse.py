@@ -106,8 +106,7 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
   for ins in instructions(hlo_text):
     op, rest, line = ins.op, ins.rest, ins.line
     if op == "collective-permute":
-      pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
-      groups = _parse_list_of_lists(pm.group(1)) if pm else ()
+      groups = source_target_pairs(rest)
     else:
       groups = replica_groups(rest)
     types, elements = result_arrays(ins.type_text, ins.async_start and op in _PAIRED_STARTS)
@@ -118,6 +117,12 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
 _CONTEXT = ("u32", "s32")  # async -start tuples end with scalar context values
 # Async starts whose result is (operands, outputs[, contexts]); all-reduce-start returns its outputs only.
 _PAIRED_STARTS = ("all-gather", "collective-permute")
+
+
+def source_target_pairs(rest: str) -> tuple[tuple[int, ...], ...]:
+  """A collective-permute's (source, target) pairs (the text after its opcode)."""
+  pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
+  return _parse_list_of_lists(pm.group(1)) if pm else ()
 
 
 def replica_groups(rest: str) -> tuple[tuple[int, ...], ...]:
@@ -240,12 +245,18 @@ def while_loops(hlo_text: str, comps: dict[str, Computation] | None = None) -> l
   return out
 
 
-def _callees(ins: Instr) -> list[tuple[str, str]]:
-  """(kind, computation) pairs this instruction runs; reductions' `to_apply` and async -done/-update
-  (which name the computation their -start already runs) are left out."""
+def trip_count(ins: Instr) -> int | None:
+  """A while instruction's known trip count (XLA's WhileLoopTripCountAnnotator), None when it has none."""
+  trip = _TRIP.search(ins.rest)
+  return int(trip.group(1)) if trip else None
+
+
+def callees(ins: Instr) -> list[tuple[str, str]]:
+  """(kind, computation) pairs this instruction runs; reductions' `to_apply` (a `call`'s is its callee) and
+  async -done/-update (which name the computation their -start already runs) are left out."""
   if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
     return []
-  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply"]
+  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply" or ins.opcode == "call"]
   for k, names in _CALLEES.findall(ins.rest):
     out += [(k, c.strip().lstrip("%")) for c in names.split(",") if c.strip()]
   return out
@@ -264,7 +275,7 @@ def _calls(comps: dict[str, Computation]) -> list[tuple[str, str, str, int | Non
       if ins is None:
         continue
       trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
-      for kind, callee in _callees(ins):
+      for kind, callee in callees(ins):
         if kind != "condition":
           out.append((comp.name, kind, callee, int(trip.group(1)) if kind == "body" and trip else None))
   return out
@@ -307,7 +318,7 @@ def reachable(hlo_text: str, root: str) -> set[str]:
     for line in comps[name].lines:
       ins = parse_instruction(line)
       if ins is not None:
-        todo += [c for _, c in _callees(ins)]
+        todo += [c for _, c in callees(ins)]
   return seen
 
 

@@ -46,29 +46,24 @@ class Event:
   pairs: tuple[tuple[int, int], ...] = ()  # a permute's (source, target) device positions
 
 
-_COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_NAME = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
-_DONE = re.compile(r"\s(?:all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|async)-done\(%?([\w.\-]+)")
+_DONES = {f"{op}-done" for op in (*OPS, "async")}
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str]:
-  """{name: instruction lines} of an HLO module's text, and the entry computation's name."""
-  comps: dict[str, list[str]] = {}
-  entry, current = "", None
-  for line in text.splitlines():
-    m = _COMP_HEAD.match(line)
-    if m:
-      current = m.group(2)
-      comps[current] = []
-      if m.group(1):
-        entry = current
-    elif line.startswith("}"):
-      current = None
-    elif current is not None and line.strip():
-      comps[current].append(line)
+  """{name: instruction lines} of an HLO module's text (hlo.computations), and the entry computation's name."""
+  comps = hlo.computations(text)
+  entry = next((c.name for c in comps.values() if c.entry), "")
   if not entry:
     raise ValueError("no ENTRY computation in the HLO text")
-  return comps, entry
+  return {c.name: [ln for ln in c.lines if ln.strip()] for c in comps.values()}, entry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Line:
+  """One instruction line parsed once (the pipeline's tick loop walks its body once per tick)."""
+  ins: hlo.Instr
+  collective: hlo.Instruction | None
+  callees: tuple[tuple[str, str], ...]
 
 
 def _nbytes(ins: hlo.Instruction, group: int) -> int:
@@ -118,18 +113,24 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
   inside it, `pipeline` says which stages run which branch at each tick."""
   from models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
 
-  comps, entry = computations(text)
+  lines, entry = computations(text)
+  comps: dict[str, list[_Line]] = {}
+  for name, comp_lines in lines.items():
+    comps[name] = []
+    for line in comp_lines:
+      ins = hlo.parse_instruction(line)
+      if ins is not None:
+        comps[name].append(_Line(ins, next(iter(hlo.instructions(line)), None), tuple(hlo.callees(ins))))
   notes: dict = {"loops": [], "unknown_trip_counts": 0}
   s_count = 0 if pipeline is None else int(pipeline.table.shape[1])
 
-  def collective(line: str, ins: hlo.Instruction, name: str) -> Event:
-    found = hlo.find_collectives(line)[0]
+  def collective(ins: hlo.Instruction, name: str) -> Event:
     pairs: tuple[tuple[int, int], ...] = ()
     if ins.op == "collective-permute":
-      pairs = tuple((a, b) for a, b in found.groups)
+      pairs = tuple((a, b) for a, b in hlo.source_target_pairs(ins.rest))
       groups = _components(pairs)
     else:
-      groups = found.groups or (tuple(range(devices)),)
+      groups = hlo.replica_groups(ins.rest) or (tuple(range(devices)),)
     return Event("start" if ins.async_start else "blocking", OPS[ins.op], _nbytes(ins, len(groups[0])), groups,
                  name, pairs)
 
@@ -142,11 +143,8 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
         out.append(dataclasses.replace(e, groups=groups) if e.kind != "done" else e)
     return out
 
-  def branches(line: str) -> list[str]:
-    found = re.search(r"branch_computations=\{([^}]*)\}", line)
-    if found:
-      return [b.strip().lstrip("%") for b in found.group(1).split(",")]
-    return re.findall(r"(?:true_computation|false_computation)=%?([\w.\-]+)", line)
+  def called(ln: _Line, *kinds: str) -> list[str]:
+    return [c for k, c in ln.callees if k in kinds]
 
   def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
            ) -> list[Event]:
@@ -154,48 +152,44 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
       raise ValueError("HLO call graph too deep")
     out: list[Event] = []
     top_conditionals = 0
-    for line in comps.get(comp, []):
-      nm = _NAME.match(line)
-      name = nm.group(1) if nm else ""
-      ins = next(iter(hlo.instructions(line)), None)
-      if ins is not None and ins.op in OPS:
-        out.append(collective(line, ins, name))
+    for ln in comps.get(comp, []):
+      name, opcode = ln.ins.name, ln.ins.opcode
+      if ln.collective is not None and ln.collective.op in OPS:
+        out.append(collective(ln.collective, name))
         continue
-      done = _DONE.search(line)
-      if done:
-        out.append(Event("done", "", 0, (), done.group(1)))
+      if opcode in _DONES:
+        out.append(Event("done", "", 0, (), re.match(r"\s*%?([\w.\-]+)", ln.ins.rest).group(1)))
         continue
-      if re.search(r"\swhile\(", line):
-        body = re.search(r"body=%?([\w.\-]+)", line)
-        trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', line)
-        count = int(trip.group(1)) if trip else None
+      if opcode == "while":
+        body = next(iter(called(ln, "body")), None)
+        count = hlo.trip_count(ln.ins)
         if (pipeline is not None and tick is None and body and count == pipeline.ticks
-                and sum(1 for ln in comps.get(body.group(1), []) if re.search(r"\sconditional\(", ln)) >= 2):
-          per_tick = [walk(body.group(1), depth + 1, t, note=t == 0) for t in range(count)]
+                and sum(1 for b in comps.get(body, []) if b.ins.opcode == "conditional") >= 2):
+          per_tick = [walk(body, depth + 1, t, note=t == 0) for t in range(count)]
           inner = [e for evts in per_tick for e in evts]
           if inner:
-            notes["loops"].append({"body": body.group(1), "trip_count": count, "pipeline_ticks": True,
+            notes["loops"].append({"body": body, "trip_count": count, "pipeline_ticks": True,
                                    "collectives": sum(1 for e in inner if e.kind != "done")})
           out += inner
           continue
-        inner = walk(body.group(1), depth + 1, tick, role, note) if body else []
+        inner = walk(body, depth + 1, tick, role, note) if body else []
         if inner and note:  # a loop inside the pipeline's ticks: noted for the first tick only
-          notes["loops"].append({"body": body.group(1), "trip_count": count,
+          notes["loops"].append({"body": body, "trip_count": count,
                                  "collectives": sum(1 for e in inner if e.kind != "done")})
-          notes["unknown_trip_counts"] += 0 if trip else 1
+          notes["unknown_trip_counts"] += 0 if count is not None else 1
         out += inner * (count or 1)
         continue
-      if re.search(r"\sasync-start\(", line):  # a wrapped async collective: its callee's ops start here
-        callee = re.search(r"calls=%?([\w.\-]+)", line)
-        for e in walk(callee.group(1), depth + 1, tick, role, note) if callee else []:
-          out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
+      if opcode == "async-start":  # a wrapped async collective: its callee's ops start here
+        for callee in called(ln, "calls")[:1]:
+          for e in walk(callee, depth + 1, tick, role, note):
+            out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
         continue
-      if re.search(r"\scall\(", line):
-        for callee in re.findall(r"to_apply=%?([\w.\-]+)", line):
+      if opcode == "call":
+        for callee in called(ln, "to_apply"):
           out += walk(callee, depth + 1, tick, role, note)
         continue
-      if re.search(r"\sconditional\(", line):
-        names = branches(line)
+      if opcode == "conditional":
+        names = called(ln, "branch_computations", "true_computation", "false_computation")
         if tick is not None and role is None:  # `lax.cond(run, op, skip)` of the tick body: the op last
           op = walk(names[-1], depth + 1, note=False)
           if op and all(e.op == "permute" for e in op if e.kind != "done"):
