@@ -31,12 +31,9 @@ def _now() -> str:
 
 def _device_memory() -> int:
   import jax  # pylint: disable=g-import-not-at-top
-  try:
-    stats = jax.local_devices()[0].memory_stats()
-  except Exception:  # pylint: disable=broad-except
-    stats = None  # backends without memory statistics
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
+  limit = machine.device_memory(jax.local_devices()[0])
+  if limit:
+    return limit
   # CPU devices share host memory.
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   return host // max(1, jax.local_device_count())

@@ -119,11 +119,11 @@ def _with_preset(cfg):
 
   import jax  # pylint: disable=g-import-not-at-top
 
-  from microbench.train.loop import device_memory  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
 
   explicit = {name: FLAGS[name].value for name in presets.FIELDS if FLAGS[name].present}
   device = jax.devices()[0]
-  fields, note = presets.resolve(FLAGS.preset, jax.device_count(), device.platform, device_memory(device),
+  fields, note = presets.resolve(FLAGS.preset, jax.device_count(), device.platform, machine.device_memory(device),
                                  explicit)
   return dataclasses.replace(cfg, **fields, preset_note=note)
 

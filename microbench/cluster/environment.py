@@ -141,8 +141,7 @@ def devices() -> list[dict[str, Any]]:
     k["count"] += 1
   for d in jax.local_devices():
     if kinds[d.device_kind]["memory_bytes"] is None:
-      stats = _safe(d.memory_stats) or {}
-      kinds[d.device_kind]["memory_bytes"] = stats.get("bytes_limit")
+      kinds[d.device_kind]["memory_bytes"] = machine.device_memory(d)
   return list(kinds.values())
 
 

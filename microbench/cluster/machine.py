@@ -30,6 +30,18 @@ def prepare_cpu_devices(topology: Topology | None, distributed: bool) -> bool:
   return True
 
 
+def device_memory(device) -> int | None:
+  """An accelerator's usable memory (XLA's allocator limit, `bytes_limit`); None on CPU, whose devices share
+  the host's memory, or where the backend keeps no statistics."""
+  if device.platform == "cpu":
+    return None
+  try:
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # pylint: disable=broad-except
+    return None  # backends without memory statistics
+  return int(limit) if limit else None
+
+
 def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topology, Any, str]:
   """The run's topology, its mesh and a note on where the topology came from."""
   import jax  # pylint: disable=g-import-not-at-top

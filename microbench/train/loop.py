@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from meshes import parallelism as par
-from microbench.cluster import environment
+from microbench.cluster import environment, machine
 from microbench.output.train_log import TrainLog
 from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
@@ -154,16 +154,6 @@ def _hlo_flops(compiled, loops: list[dict[str, Any]]) -> float | None:
     return None
 
 
-def device_memory(device: jax.Device) -> int | None:
-  """The accelerator's usable memory (XLA's allocator limit), None on CPU or where unknown."""
-  if device.platform == "cpu":
-    return None
-  try:
-    return int((device.memory_stats() or {}).get("bytes_limit")) or None
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 def _scalar(x: jax.Array) -> float:
   return float(np.asarray(x.addressable_data(0)))
 
@@ -290,7 +280,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     comm_note = ("on CPU, XLA's float-normalization-bf16 pass widens bfloat16 collectives to float32; the"
                  " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
   per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
-  memory_limit = device_memory(device)
+  memory_limit = machine.device_memory(device)
   item = spec.item_name
   items = spec.items_per_step(cfg.batch)
   flops = spec.step_flops(cfg.batch)
