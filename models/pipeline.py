@@ -226,10 +226,12 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
   g_layers = jax.tree.map(reduce_grad, g_layers, layer_params, lp_specs)
   g_head = jax.tree.map(lambda g, p: reduce_grad(g, p, jax.P()), stage_sum(g_head), head_params)
   stats = jax.tree.map(lambda a: jax.lax.pmean(a, bax), stage_sum(stats))
-  # Summed in float32 (only stage 0's is non-zero, so nothing is lost): XLA:CPU's all-reduce promotion
-  # crashes on a bfloat16 psum written inside shard_map under a mesh context ("Invalid binary instruction
-  # opcode copy": the reduction's root is a sharding annotation turned copy).
-  dx_M = (stage_sum(dx_M.astype(f32)) * (scale / shards)).astype(dx_M.dtype)  # stays split over the batch shards
+  # Only stage 0's is non-zero, so the sum is exact in any dtype. On CPU it is summed in float32: XLA:CPU's
+  # all-reduce promotion crashes on a bfloat16 psum written inside shard_map under a mesh context ("Invalid
+  # binary instruction opcode copy"); elsewhere in the compute dtype (half the bytes of the step's largest
+  # stage collective in bfloat16).
+  wide = f32 if jax.default_backend() == "cpu" else dx_M.dtype
+  dx_M = (stage_sum(dx_M.astype(wide)).astype(f32) * (scale / shards)).astype(dx_M.dtype)  # split over batch shards
   return jax.lax.pmean(stage_sum(loss), bax) * scale, stats, g_layers, g_head, dx_M
 
 
