@@ -20,6 +20,9 @@ import tempfile
 
 from absl import app, flags
 
+from microbench.output import jsonl
+from microbench.output.train_log import METRICS_FILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 flags.DEFINE_bool("smoke", False, "Tiny shapes, float32, on CPU: checks the script without a GPU.")
@@ -87,8 +90,7 @@ def run_one(name: str, model: str, size: str, layers: int, batch: int, seq: int,
     lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()] or ["?"]
     oom = any("RESOURCE_EXHAUSTED" in ln or "out of memory" in ln.lower() for ln in lines)
     return {**row, "status": "out_of_memory" if oom else "failed", "reason": lines[-1][:300]}
-  with open(os.path.join(outdir, "metrics.jsonl")) as f:
-    summary = [json.loads(line) for line in f][-1]
+  summary = jsonl.read(os.path.join(outdir, METRICS_FILE))[-1]
   return {**row, "status": "ok", **{k: summary.get(k) for k in KEEP}}
 
 

@@ -29,6 +29,8 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 from absl import app, flags  # noqa: E402
 
+from microbench.output import run_folder  # noqa: E402
+
 flags.DEFINE_list("parts", ["a", "b", "c", "d", "e"], "Which parts to run.")
 flags.DEFINE_string("large_bytes", "64M", "Message size for part (c).")
 flags.DEFINE_list("a_devices", ["2", "4", "8"], "CPU device counts for part (a).")
@@ -139,8 +141,7 @@ def part_b() -> dict:
     wall = time.perf_counter() - t0
     if r.returncode:
       raise SystemExit(f"default sweep failed: {r.stderr[-2000:]}")
-    with open(f"{tmp}/run/results.jsonl") as f:
-      recs = [json.loads(line) for line in f]
+    recs = run_folder.read_results(f"{tmp}/run")
   compile_s = sum(r.get("compile_s", 0.0) for r in recs)
   methods = sorted({r.get("time_method", "?") for r in recs})
   out = {"points": len(recs), "wall_s": wall, "compile_s": compile_s, "other_s": wall - compile_s,
@@ -334,8 +335,7 @@ def part_e() -> dict:
           f"--min_bytes={FLAGS.e_min}", f"--max_bytes={FLAGS.e_max}", "--step_factor=4",
           f"--samples={FLAGS.e_samples}", f"--warmup={FLAGS.e_warmup}", f"--outdir={run}", "--distributed",
           f"--coordinator_address={c}", "--num_processes=2", f"--process_id={r}"])
-      with open(f"{run}/results.jsonl") as f:
-        arms["toolkit"].append({json.loads(line)["bytes"]: json.loads(line)["time_us"] * 1e-6 for line in f})
+      arms["toolkit"].append({r["bytes"]: r["time_us"] * 1e-6 for r in run_folder.read_results(run)})
       for arm, mode in (("psum", "e_psum"), ("torch", "e_torch")):
         path = f"{tmp}/{arm}{rnd}.json"
         _job(lambda r, c, mode=mode, path=path: [

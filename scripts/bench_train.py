@@ -22,6 +22,9 @@ import tempfile
 
 from absl import app, flags
 
+from microbench.output import jsonl
+from microbench.output.train_log import METRICS_FILE
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -53,8 +56,7 @@ def run_jax(args, outdir: str) -> dict:
   proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(args.threads), cwd=ROOT, check=False)
   if proc.returncode:
     raise SystemExit(f"microbench-train failed:\n{proc.stderr[-3000:]}")
-  with open(os.path.join(outdir, "metrics.jsonl")) as f:
-    summary = [json.loads(line) for line in f][-1]
+  summary = jsonl.read(os.path.join(outdir, METRICS_FILE))[-1]
   return {"impl": "jax", "median_step_time_s": summary["median_step_time_s"], "params": summary["params"],
           "mfu": summary["mfu"], "peak_source": summary["peak_source"], "losses": None}
 

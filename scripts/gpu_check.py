@@ -24,6 +24,8 @@ import time
 
 from absl import app, flags
 
+from microbench.output import run_folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 flags.DEFINE_bool("smoke", False, "Run on CPU (one device) with small settings: checks the script itself.")
@@ -117,10 +119,7 @@ def check_c() -> dict:
     run = os.path.join(tmp, "run")
     r = subprocess.run([sys.executable, "-m", "microbench", "--max_bytes=64K", f"--outdir={run}"],
                        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300, check=False)
-    recs = []
-    if os.path.exists(os.path.join(run, "results.jsonl")):
-      with open(os.path.join(run, "results.jsonl")) as f:
-        recs = [json.loads(line) for line in f]
+    recs = run_folder.read_results(run)
   said = "nothing to measure" in r.stdout and "groups of one device" in r.stdout
   ok = r.returncode == 0 and said and not recs
   return {"verdict": "pass" if ok else "fail", "exit_code": r.returncode, "records": len(recs),

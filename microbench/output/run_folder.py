@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, TextIO
 
+from microbench.output import jsonl
 from microbench.output.tensorboard import TensorBoardLog
 
 RESULTS = "results.jsonl"
@@ -101,17 +102,7 @@ def write_csv(path: str, records: list[dict[str, Any]]) -> None:
 
 def read_results(outdir: str) -> list[dict[str, Any]]:
   """Every complete JSON line of a run's results (a torn last line from a crash is ignored)."""
-  path = os.path.join(outdir, RESULTS)
-  if not os.path.exists(path):
-    return []
-  rows = []
-  with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+  return jsonl.read(os.path.join(outdir, RESULTS))
 
 
 def read_meta(outdir: str) -> dict[str, Any] | None:
@@ -133,19 +124,10 @@ class RunOutputs:
     self._tb: TensorBoardLog | None = None
     if enabled:
       os.makedirs(outdir, exist_ok=True)
-      self._repair_torn_tail()
+      jsonl.end_torn_line(os.path.join(outdir, RESULTS))
       self._rows = read_results(outdir)  # a resumed run's CSV keeps the earlier points
       self._results = open(os.path.join(outdir, RESULTS), "a")
       self._tb = TensorBoardLog(outdir)
-
-  def _repair_torn_tail(self) -> None:
-    """A crash can leave half a line; end it so appended records stay one per line."""
-    path = os.path.join(self.outdir, RESULTS)
-    if os.path.exists(path) and os.path.getsize(path):
-      with open(path, "rb+") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) != b"\n":
-          f.write(b"\n")
 
   def print(self, text: str = "") -> None:
     if self.enabled:

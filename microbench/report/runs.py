@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
-from microbench.output import run_folder
+from microbench.output import jsonl, run_folder
 from microbench.output.train_log import METRICS_FILE
 
 
@@ -74,19 +73,14 @@ def read_train(path: str) -> tuple[dict[str, Any], list[dict[str, Any]], dict[st
   config: dict[str, Any] = {}
   steps: list[dict[str, Any]] = []
   summary = None
-  with open(os.path.join(path, METRICS_FILE), encoding="utf-8") as f:
-    for line in f:
-      try:
-        rec = json.loads(line)
-      except json.JSONDecodeError:
-        continue  # a torn last line
-      kind = rec.get("kind")
-      if kind == "config":
-        config = rec
-      elif kind == "step":
-        steps.append(rec)
-      elif kind == "summary":
-        summary = rec
+  for rec in jsonl.read(os.path.join(path, METRICS_FILE)):
+    kind = rec.get("kind")
+    if kind == "config":
+      config = rec
+    elif kind == "step":
+      steps.append(rec)
+    elif kind == "summary":
+      summary = rec
   return config, steps, summary
 
 

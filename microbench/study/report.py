@@ -19,6 +19,7 @@ import os
 import statistics
 from collections.abc import Callable
 
+from microbench.output import jsonl
 from microbench.output.tensorboard import TensorBoardLog
 from microbench.study import runner, stats
 from microbench.study import workloads as wl
@@ -42,17 +43,10 @@ class Sample:
 
 def read_records(path: str) -> list[dict]:
   """A proxy's JSONL (a torn last line from a kill is ignored)."""
-  out = []
   try:
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        try:
-          out.append(json.loads(line))
-        except ValueError:
-          continue
-  except OSError:
-    pass
-  return out
+    return jsonl.read(path)
+  except OSError:  # unreadable: the unit is reported without this instance's records
+    return []
 
 
 def load(out_dir: str, drop_first: int = 1) -> tuple[list[Sample], dict[str, dict]]:

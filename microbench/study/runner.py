@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from microbench.cluster import launch
+from microbench.output import jsonl
 from microbench.study import backends as bk
 from microbench.study import machines as mm
 from microbench.study import workloads as wl
@@ -266,30 +267,7 @@ class UnitRunner:
 
 def done_units(out_dir: str) -> dict[str, dict]:
   """Units recorded as done (a torn last line from a crash is ignored)."""
-  path = os.path.join(out_dir, UNITS_FILE)
-  out: dict[str, dict] = {}
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        try:
-          rec = json.loads(line)
-        except ValueError:
-          continue
-        if rec.get("status") == "done":
-          out[rec["unit"]] = rec
-  return out
-
-
-def _append(path: str, rec: dict) -> None:
-  with open(path, "a+", encoding="utf-8") as f:
-    f.seek(0, os.SEEK_END)
-    if f.tell():
-      f.seek(f.tell() - 1)
-      if f.read(1) != "\n":
-        f.write("\n")  # terminate a torn line left by a crash
-    f.write(json.dumps(rec) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
+  return {rec["unit"]: rec for rec in jsonl.read(os.path.join(out_dir, UNITS_FILE)) if rec.get("status") == "done"}
 
 
 def prepare(s: RunSettings, resume: bool) -> tuple[dict, list[dict], mm.Machine]:
@@ -334,7 +312,7 @@ def run(s: RunSettings, backend: bk.Backend, machine: mm.Machine, experiments: S
     jobs = ", ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']}" for j in unit.jobs)
     say(f"[{k}/{len(todo)}] {unit.kind} {unit.id}: {jobs}")
     rec = UnitRunner(unit, machine, backend, s, say).run()
-    _append(os.path.join(s.out_dir, UNITS_FILE), rec)
+    jsonl.append(os.path.join(s.out_dir, UNITS_FILE), rec)
     written.append(rec)
     say(f"[{k}/{len(todo)}] {unit.id}: {rec['status']} ({rec['ended']}) in {rec['seconds']:.1f} s"
         + (f": {rec['reason']}" if rec["reason"] else ""))
