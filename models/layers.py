@@ -21,7 +21,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from meshes.parallelism import constrain, constrain_for_use
-from models import context
+from models import context, pipeline_schedule
 
 ACT_BTD = ("batch", "act_seq", "act_embed")
 ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")
@@ -58,8 +58,8 @@ REMAT_POLICIES = {
     "save_qkv_attention": jax.checkpoint_policies.save_only_these_names("qkv", "attention"),
 }
 ATTENTION_IMPLS = ("xla", "cudnn")
-CONTEXT_IMPLS = ("ring", "all_to_all")  # attention over a sequence split by `context` (models.context)
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # models.pipeline_schedule
+CONTEXT_IMPLS = context.IMPLS  # attention over a sequence split by `context`
+PIPELINE_SCHEDULES = pipeline_schedule.SCHEDULES
 # Timing arms (values meaningless, only durations used): the pipeline without its idle ticks, the MoE layers
 # without their token exchange.
 WITHOUT = (None, "bubble", "all_to_all")

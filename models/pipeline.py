@@ -60,11 +60,6 @@ def to_microbatches(x: jax.Array, m: int) -> jax.Array:
   return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
 
 
-def from_microbatches(x: jax.Array) -> jax.Array:
-  """Inverse of `to_microbatches`."""
-  return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-
-
 def transfer_pairs(stages: int, virtual: int, step: int) -> list[tuple[int, int]]:
   """ppermute pairs moving data `step` (+1 forward, -1 backward) stages; circular when chunks wrap from
   the last device to the first (interleaved)."""

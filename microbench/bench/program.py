@@ -54,7 +54,6 @@ class Compiled:
   """One compiled program of a point and what its HLO check found."""
   fn: Callable
   hlo_text: str
-  compile_s: float
   verified: hlo_check.Verified
   reps: int  # operations per call
 
@@ -139,10 +138,9 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       copy_limit=min(coll.in_count(count, n), coll.out_count(count, n)) if timed else None)
 
 
-def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str, float]:
-  t0 = time.perf_counter()
+def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str]:
   compiled = jax.jit(fn, donate_argnums=tuple(range(len(specs))) if donate else ()).lower(*specs).compile()
-  return compiled, compiled.as_text(), time.perf_counter() - t0
+  return compiled, compiled.as_text()
 
 
 def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
@@ -152,9 +150,9 @@ def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   n, platform = scope.group_size, platform_of(mesh)
   fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(AXES),
                      out_specs=jax.P(AXES), check_vma=False)
-  compiled, text, secs = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])], donate=False)
+  compiled, text = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])], donate=False)
   verified = verify(text, _expectation(coll, scope, count, dtype, platform, 1, timed=False))
-  return Point(coll, scope, dtype, count, mesh, Compiled(compiled, text, secs, verified, 1))
+  return Point(coll, scope, dtype, count, mesh, Compiled(compiled, text, verified, 1))
 
 
 def carry_counts(coll: Collective, in_count: int, out_count: int, dtype: str) -> list[int]:
@@ -176,9 +174,9 @@ def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts]
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in counts),
                      out_specs=tuple(jax.P(AXES) for _ in counts), check_vma=False)
-  compiled, text, secs = _compile(fn, specs, donate=True)
+  compiled, text = _compile(fn, specs, donate=True)
   verified = hlo_check.verify(text, _expectation(coll, scope, count, dtype, platform, reps, timed=True))
-  return Compiled(compiled, text, secs, verified, reps)
+  return Compiled(compiled, text, verified, reps)
 
 
 def repeat(step: Callable, reps: int, carry):

@@ -131,7 +131,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
-    sweep.run_sweep(cfg, mesh, topology, plans, out, done, watchdog, records)
+    sweep.run_sweep(cfg, mesh, peaks, plans, out, done, watchdog, records)
     status = "finished"
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 
 from meshes.scopes import ScopePlan
-from meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program
 from microbench.bench.sizes import round_count, sweep
 from microbench.cluster import distributed, link_peaks
@@ -238,11 +237,11 @@ def distinct_counts(coll: collectives.Collective, dtype: str, n: int, sizes: lis
   return out
 
 
-def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan], out: run_folder.RunOutputs,
-              done: set[tuple] = frozenset(), watchdog: Watchdog | None = None,
+def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], plans: list[ScopePlan],
+              out: run_folder.RunOutputs, done: set[tuple] = frozenset(), watchdog: Watchdog | None = None,
               records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
   """Runs every point not in `done`, records each as it finishes (also appended to `records`), returns
-  the records of this run."""
+  the records of this run; `peaks`: the link peaks per fabric level (link_peaks.resolve) for busbw's share."""
   sizes = sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor)
   barrier = program.make_barrier(mesh)
   records = [] if records is None else records
@@ -254,7 +253,6 @@ def run_sweep(cfg: SweepConfig, mesh, topology: Topology, plans: list[ScopePlan]
     out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
               " nothing, and XLA removes it); no point is recorded")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes]
-  peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)

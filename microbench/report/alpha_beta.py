@@ -58,9 +58,6 @@ class Fit:
     bw = 0.0 if self.beta_gbps is None else size_bytes / (self.beta_gbps * 1e3)
     return self.alpha_us + bw
 
-  def key(self) -> tuple[str, str, str, int]:
-    return (self.collective, self.scope, self.dtype, self.group_size)
-
 
 def fit_points(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[float, float | None, str]:
   """(alpha_us, beta_gbps, method) by least squares on relative error, with alpha >= 0 and beta > 0."""

@@ -19,7 +19,6 @@ A pipelined step's tick loop is read tick by tick with its schedule table (`Pipe
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Sequence
 
@@ -382,7 +381,3 @@ def compare(hand: sch.JobSchedule, derived: sch.JobSchedule) -> dict:
   return {"hand": {"schedule": hand.name, "bytes_rank0": h0, "total_rank0": th},
           "derived": {"schedule": derived.name, "bytes_rank0": d0, "total_rank0": td, "meta": derived.meta},
           "difference_bytes": td - th, "ratio": (td / th) if th else None}
-
-
-def to_json(result: dict) -> str:
-  return json.dumps(result, indent=1, default=str)

@@ -196,19 +196,15 @@ def nodes_for(machine: Machine, gpus: int) -> int:
   return wl.ceil_div(gpus, machine.gpus_per_node)
 
 
-def ranks_per_node(machine: Machine, gpus: int) -> int:
-  """How many of a job's ranks share each of its nodes (fewer than q1 when the job is smaller than a node)."""
-  return min(gpus, machine.gpus_per_node)
-
-
-def _chunk(name: str) -> int:
+def same_l1_chunk(name: str) -> int:
+  """N of a `same-l1-N` placement class (nodes per L1 switch), else 0."""
   return int(name.rsplit("-", 1)[1]) if "same-l1" in name else 0
 
 
 def class_fits(machine: Machine, name: str, gpus: int) -> bool:
   """The study's rules for one class and job size, plus whether this machine has room for the shape."""
   n = nodes_for(machine, gpus)
-  chunk = _chunk(name)
+  chunk = same_l1_chunk(name)
   if chunk and (gpus <= chunk * machine.q1 or n % chunk):
     return False
   if name == "intra-l1":

@@ -47,7 +47,7 @@ def place_one(machine: mm.Machine, name: str, gpus: int, used: dict[int, int], r
     return [rng.choice(options)] if options else None
   free = _free_by_l1(machine, used)
   groups = machine.groups()
-  chunk = int(name.rsplit("-", 1)[1]) if "same-l1" in name else 0
+  chunk = mm.same_l1_chunk(name)
   if name == "intra-l1":
     options = [l1 for l1, nodes in free.items() if len(nodes) >= n]
     if not options:
