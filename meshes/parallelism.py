@@ -91,6 +91,18 @@ def spec_for(names: Sequence[str | None], rules: LogicalRules = RULES) -> jax.P:
   return jax.P(*out)
 
 
+def vary(tree, axes: Sequence[str] | None = None):
+  """Each array typed as varying over the manual mesh `axes` (default: every manual axis of the current
+  mesh) where it isn't yet: shard_map's type check needs loop carries, both branches of a cond and a custom
+  VJP's outputs to agree with their counterparts."""
+  axes = tuple(jax.sharding.get_abstract_mesh().manual_axes) if axes is None else tuple(axes)
+
+  def one(a):
+    missing = tuple(n for n in axes if n not in jax.typeof(a).manual_axis_type.varying)
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+  return jax.tree.map(one, tree)
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Pins an activation's sharding by logical names; a no-op outside a mesh or without active rules.
 

@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from meshes import parallelism as par
+
 
 AXIS = "context"
 IMPLS = ("ring", "all_to_all")
@@ -158,12 +160,7 @@ def _varying(grads):
   """Gradients typed as varying over the enclosing manual mesh axes, as their primals are (inside a pipeline
   stage, whose stage and batch axes are manual, activations vary over all of them); the inner shard_map's
   check_vma=False loses that typing, and a custom VJP must return its primals' types."""
-  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-
-  def one(g):
-    missing = tuple(a for a in manual if a not in jax.typeof(g).manual_axis_type.varying)
-    return jax.lax.pcast(g, missing, to="varying") if missing else g
-  return tuple(one(g) for g in grads)
+  return tuple(par.vary(tuple(grads)))
 
 
 def _seq_spec(ndim: int) -> jax.P:

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshes.parallelism import constrain, constrain_for_use
+from meshes.parallelism import constrain, constrain_for_use, vary
 from models import context, pipeline_schedule
 
 ACT_BTD = ("batch", "act_seq", "act_embed")
@@ -292,9 +292,7 @@ def run_layers(graphdef: nnx.GraphDef, state: nnx.State, x_BTD: jax.Array, execu
   # Inside a scan the loop already keeps recomputation apart from the forward pass (JAX's advice).
   body = jax.checkpoint(body, policy=policy, prevent_cse=not execution.scan)
   # The aux-loss carry varies over the same manual mesh axes as the activations (inside a pipeline stage).
-  varying = tuple(jax.typeof(x_BTD).manual_axis_type.varying)
-  zero = jnp.zeros((), jnp.float32)
-  zero = jax.lax.pcast(zero, varying, to="varying") if varying else zero
+  zero = vary(jnp.zeros((), jnp.float32), tuple(jax.typeof(x_BTD).manual_axis_type.varying))
   if execution.scan:
     (x_BTD, aux), stats = jax.lax.scan(body, (x_BTD, zero), state)
   else:

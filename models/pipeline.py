@@ -82,12 +82,7 @@ def _manual() -> tuple[str, ...]:
 def _varying(x):
   """Marks values as differing per stage and batch shard (shard_map's type check needs loop carries and
   both branches of a cond to agree)."""
-  manual = _manual()
-
-  def one(a):
-    missing = tuple(n for n in manual if n not in jax.typeof(a).manual_axis_type.varying)
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-  return jax.tree.map(one, x)
+  return par.vary(x, _manual())
 
 
 def _spec_axes(spec: jax.P) -> set[str]:

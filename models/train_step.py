@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from meshes.parallelism import RULES, LogicalRules, spec_for
 from models.layers import Execution
+from models.pipeline import to_microbatches
 from models.registry import ModelSpec
 
 
@@ -108,7 +109,7 @@ class Trainer:
     n, names = self.grad_accum, self.spec.batch_spec()
     out = {}
     for k, a in batch.items():
-      a = jnp.moveaxis(a.reshape(a.shape[0] // n, n, *a.shape[1:]), 1, 0)
+      a = to_microbatches(a, n)
       out[k] = jax.lax.with_sharding_constraint(a, NamedSharding(self.mesh, spec_for((None, *names[k]), self.rules)))
     return out
 
