@@ -386,3 +386,18 @@ def test_report_command_line(runs_dir, tmp_path):
     r = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr
+
+
+def test_report_bad_run_folder_or_out_is_one_line(runs_dir, tmp_path):
+  """A corrupt meta.json, and --out naming a file: one line naming the file, exit 2, no traceback."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  _, a, _ = runs_dir
+  bad = tmp_path / "bad"
+  shutil.copytree(a, bad)
+  (bad / "meta.json").write_text("{oops")
+  (tmp_path / "afile").write_text("")
+  exe = [sys.executable, "-m", "microbench.cli.report"]
+  for args, msg in (([str(bad)], "meta.json: not JSON"), ([a, f"--out={tmp_path / 'afile'}"], "afile")):
+    r = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr

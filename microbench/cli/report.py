@@ -40,7 +40,12 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(str(e)) from None
   out = FLAGS.out or (os.path.join(found[0], "report") if len(found) == 1 else
                       "report_" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
-  report = build.build(found, out, predict)
+  try:
+    report = build.build(found, out, predict)
+  except runs.RunError as e:
+    raise app.UsageError(str(e)) from None
+  except OSError as e:
+    raise app.UsageError(f"{e.filename or out}: {e.strerror or e}") from None
   print(f"microbench-report: {len(report.sweeps)} sweep(s), {len(report.trains)} training run(s);"
         f" wrote {build.REPORT} and {len(report.figures)} figure(s) to {os.path.abspath(out)}")
   if predict:

@@ -106,11 +106,15 @@ def read_results(outdir: str) -> list[dict[str, Any]]:
 
 
 def read_meta(outdir: str) -> dict[str, Any] | None:
+  """A run's meta.json (None when it has none); ValueError naming the file when it isn't JSON."""
   path = os.path.join(outdir, META)
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return json.load(f)
+    try:
+      return json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{path}: not JSON ({e})") from None
 
 
 class RunOutputs:

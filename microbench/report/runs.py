@@ -90,7 +90,11 @@ def load(paths: list[str]) -> tuple[list[SweepRun], list[TrainRun]]:
   sweeps, trains = [], []
   for path, label in zip(found, labels(found)):
     if _is_sweep(path):
-      sweeps.append(SweepRun(path, label, run_folder.read_meta(path) or {},
+      try:
+        meta = run_folder.read_meta(path) or {}
+      except ValueError as e:
+        raise RunError(str(e)) from None
+      sweeps.append(SweepRun(path, label, meta,
                              run_folder.latest(run_folder.read_results(path))))
     else:
       trains.append(TrainRun(path, label, *read_train(path)))
