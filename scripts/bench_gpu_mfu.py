@@ -20,6 +20,7 @@ import tempfile
 
 from absl import app, flags
 
+from microbench.cluster import launch
 from microbench.output import jsonl
 from microbench.output.train_log import METRICS_FILE
 
@@ -55,7 +56,7 @@ KEEP = ("median_step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mfu_f
 
 
 def _env() -> dict[str, str]:
-  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env = launch.with_repo_on_path(dict(os.environ))
   env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(FLAGS.mem_fraction)
   if FLAGS.smoke:
     env.update(JAX_NUM_CPU_DEVICES="1", JAX_PLATFORMS="cpu")

@@ -303,19 +303,19 @@ def e_torch_worker() -> None:
   dist.destroy_process_group()
 
 
-def _job(cmd_for_rank, world: int = 2, timeout: float = 900) -> None:
-  from microbench.cluster.launch import free_port  # pylint: disable=g-import-not-at-top
-  port = free_port()
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-  env.update(JAX_NUM_CPU_DEVICES="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-  procs = [subprocess.Popen(cmd_for_rank(r, f"127.0.0.1:{port}"), env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for r in range(world)]
-  for p in procs:
-    _, err = p.communicate(timeout=timeout)
-    if p.returncode:
-      for q in procs:
-        q.kill()
-      raise SystemExit(f"part (e) job failed: {err[-2000:]}")
+def _job(cmd_for_rank, log_dir: str, world: int = 2, timeout: float = 900) -> None:
+  """One 2-process job through the launcher (a failed or hung rank stops the others; logs in log_dir)."""
+  from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
+  coordinator = f"127.0.0.1:{launch.free_port()}"
+  env = launch.with_repo_on_path({k: v for k, v in os.environ.items() if k != "XLA_FLAGS"})
+  env["JAX_NUM_CPU_DEVICES"] = "1"
+  os.makedirs(log_dir, exist_ok=True)
+  procs = [launch.Proc("e", r, cmd_for_rank(r, coordinator), env, os.path.join(log_dir, f"rank{r}.log"))
+           for r in range(world)]
+  result = launch.run_jobs({"e": procs}, timeout=timeout)["e"]
+  if result.returncode:
+    raise SystemExit(f"part (e) job failed ({result.reason or result.returncode}): the failing rank's last lines"
+                     " are above")
 
 
 def part_e() -> dict:
@@ -334,14 +334,14 @@ def part_e() -> dict:
           sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=global",
           f"--min_bytes={FLAGS.e_min}", f"--max_bytes={FLAGS.e_max}", "--step_factor=4",
           f"--samples={FLAGS.e_samples}", f"--warmup={FLAGS.e_warmup}", f"--outdir={run}", "--distributed",
-          f"--coordinator_address={c}", "--num_processes=2", f"--process_id={r}"])
+          f"--coordinator_address={c}", "--num_processes=2", f"--process_id={r}"], f"{tmp}/logs-tk{rnd}")
       arms["toolkit"].append({r["bytes"]: r["time_us"] * 1e-6 for r in run_folder.read_results(run)})
       for arm, mode in (("psum", "e_psum"), ("torch", "e_torch")):
         path = f"{tmp}/{arm}{rnd}.json"
         _job(lambda r, c, mode=mode, path=path: [
             sys.executable, __file__, f"--parts={mode}", f"--rank={r}", "--world=2", f"--coordinator={c}",
             f"--out={path}", f"--e_min={FLAGS.e_min}", f"--e_max={FLAGS.e_max}", f"--e_samples={FLAGS.e_samples}",
-            f"--e_warmup={FLAGS.e_warmup}"])
+            f"--e_warmup={FLAGS.e_warmup}"], f"{tmp}/logs-{arm}{rnd}")
         with open(path) as f:
           arms[arm].append({int(k): v for k, v in json.load(f).items()})
   out = {}

@@ -22,6 +22,7 @@ import tempfile
 
 from absl import app, flags
 
+from microbench.cluster import launch
 from microbench.output import jsonl
 from microbench.output.train_log import METRICS_FILE
 
@@ -42,9 +43,8 @@ flags.DEFINE_string("out", None, "Also write the result as JSON here.")
 
 
 def _env(threads: int) -> dict[str, str]:
-  env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-  env.update(PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-             OMP_NUM_THREADS=str(threads))
+  env = launch.with_repo_on_path({k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")})
+  env.update(JAX_PLATFORMS="cpu", OMP_NUM_THREADS=str(threads))
   return env
 
 

@@ -24,6 +24,7 @@ import time
 
 from absl import app, flags
 
+from microbench.cluster import launch
 from microbench.output import run_folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ FLAGS = flags.FLAGS
 
 
 def _env() -> dict[str, str]:
-  env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  env = launch.with_repo_on_path(dict(os.environ))
   if FLAGS.smoke:
     env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
   return env

@@ -90,6 +90,13 @@ def with_repo_on_path(env: dict[str, str]) -> dict[str, str]:
   return env
 
 
+def rank_env(coordinator: str, num_processes: int, process_id: int, devices: int, hostname: str | None,
+             job: str | None = None) -> dict[str, str]:
+  """This process's environment for one rank of a job: its distributed settings, the checkout on PYTHONPATH."""
+  return with_repo_on_path(dict(os.environ, **distributed_env(coordinator, num_processes, process_id, devices,
+                                                              hostname, job)))
+
+
 @dataclasses.dataclass
 class Proc:
   """One process of a job: what to run, where its log goes, and (once started) its state."""
@@ -296,7 +303,6 @@ def local_job(command: Sequence[str], num_processes: int, devices_per_process: i
   for i in range(num_processes):
     host = f"host{i // processes_per_host}" if processes_per_host else socket.gethostname()
     argv = list(command) + (distributed_flags(coordinator, num_processes, i) if pass_flags else [])
-    env = with_repo_on_path(dict(os.environ, **distributed_env(coordinator, num_processes, i, devices_per_process,
-                                                                host)))
+    env = rank_env(coordinator, num_processes, i, devices_per_process, host)
     procs.append(Proc("", i, argv, env, os.path.join(log_dir, f"rank{i}.log"), passthrough=(i == 0)))
   return procs

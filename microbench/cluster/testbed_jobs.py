@@ -57,8 +57,7 @@ def job_procs(bed: Testbed, hosts: Sequence[int], command: Sequence[str], name: 
   procs = []
   for i, h in enumerate(hosts):
     argv = bed.exec_argv(h, list(command) + (launch.distributed_flags(coordinator, n, i) if pass_flags else []))
-    env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
-        coordinator, n, i, devices_per_process, bed.host_name(h), job=name)))
+    env = launch.rank_env(coordinator, n, i, devices_per_process, bed.host_name(h), job=name)
     procs.append(launch.Proc(name, i, argv, env, os.path.join(log_dir, f"rank{i}.log"),
                              passthrough=passthrough and i == 0, prefix=prefix))
   return procs

@@ -71,8 +71,7 @@ class LocalBackend(Backend):
     out = []
     for i, node in enumerate(rank_nodes(job)):
       argv = list(command) + launch.distributed_flags(coordinator, job["gpus"], i)
-      env = launch.with_repo_on_path(dict(os.environ, **launch.distributed_env(
-          coordinator, job["gpus"], i, 1, f"node{node}", job=tag)))
+      env = launch.rank_env(coordinator, job["gpus"], i, 1, f"node{node}", job=tag)
       env["CUDA_VISIBLE_DEVICES"] = env["HIP_VISIBLE_DEVICES"] = str(rank_gpu(job, i))
       out.append(launch.Proc(tag, i, argv, env, os.path.join(log_dir, f"rank{i}.log")))
     return out
