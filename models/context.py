@@ -266,12 +266,12 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, c
   return _ulysses(q_BTNH, k_BTKH, v_BTKH, causal)
 
 
-def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool, impl: str = "ring"
-              ) -> jax.Array:
-  """Attention that uses the context-parallel form `impl` when the mesh splits the sequence, and XLA's
-  own attention otherwise."""
+def attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, causal: bool, impl: str = "ring",
+              implementation: str | None = None) -> jax.Array:
+  """Attention that uses the context-parallel form `impl` when the mesh splits the sequence, and
+  `jax.nn.dot_product_attention` (with its `implementation`: XLA's, cuDNN's) otherwise."""
   if context_size() == 1:
-    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=causal)
+    return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=causal, implementation=implementation)
   if impl == "ring":
     return ring_attention(q_BTNH, k_BTKH, v_BTKH, causal)
   if impl == "all_to_all":

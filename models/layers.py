@@ -210,11 +210,8 @@ class Attention(nnx.Module):
       q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
     q_BTNH, k_BTKH, v_BTKH = constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
     q_BTNH, k_BTKH, v_BTKH = (checkpoint_name(a, "qkv") for a in (q_BTNH, k_BTKH, v_BTKH))
-    if context.context_size() > 1:  # the sequence is split over `context`: ring or all-to-all attention
-      o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, cfg.causal, self.context_impl)
-    else:
-      o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=cfg.causal,
-                                            implementation=self.impl)
+    # Ring or all-to-all attention when the sequence is split over `context`, XLA's or cuDNN's otherwise.
+    o_BTNH = context.attention(q_BTNH, k_BTKH, v_BTKH, cfg.causal, self.context_impl, implementation=self.impl)
     o_BTNH = checkpoint_name(constrain(o_BTNH, ACT_BTNH), "attention")
     out = project(o_BTNH, weight(self.wo, dt), in_dims=2)
     if cfg.use_bias:
