@@ -315,14 +315,13 @@ def _run() -> int:
 
 
 def _report() -> int:
-  from microbench.study import report  # pylint: disable=g-import-not-at-top
+  from microbench.study import report, runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.results:
     raise app.UsageError("--results=RESULTS_FOLDER is required")
-  if not os.path.exists(os.path.join(FLAGS.results, "units.jsonl")):
+  if not os.path.exists(os.path.join(FLAGS.results, runner.UNITS_FILE)):
     raise app.UsageError(f"{FLAGS.results} holds no finished unit (no units.jsonl): run the study first")
   out = report.build(FLAGS.results, FLAGS.report_dir, FLAGS.drop_first, FLAGS.plots, say=say)
-  with open(os.path.join(out["report_dir"], "report.md"), encoding="utf-8") as f:
-    print(f.read())
+  print(out["markdown"])
   return 0
 
 

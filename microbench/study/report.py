@@ -260,7 +260,8 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
     if per_g:
       scaling[st] = [(g, stats.geomean(v)) for g, v in sorted(per_g.items())]
   note = ""
-  failed = sorted({u["unit"] for u in _all_units(out_dir) if u.get("status") != "done"} - set(units))
+  recorded = read_records(os.path.join(out_dir, runner.UNITS_FILE))
+  failed = sorted({u["unit"] for u in recorded if u.get("status") != "done"} - set(units))
   if failed:
     note = f"{len(failed)} unit(s) failed (run again by `run --resume`): " + ", ".join(failed)
   pngs: list[str] = []
@@ -269,8 +270,9 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
       pngs = plot(report_dir, keys, slow, cells, scaling)
     except ImportError:
       say("PNG plots need matplotlib: pip install -e '.[report]' (Markdown and TensorBoard written)")
+  md = markdown(keys, units, cells, scaling, pngs, note)
   with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
-    f.write(markdown(keys, units, cells, scaling, pngs, note))
+    f.write(md)
   table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
             "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
             "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
@@ -291,13 +293,7 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
     tag = f"throughput/{s.unit}/{s.job}"
     tb.scalar(tag, s.throughput, step.get(tag, 0))
     step[tag] = step.get(tag, 0) + 1
-  with open(os.path.join(report_dir, "report.md"), encoding="utf-8") as f:
-    tb.text("report", f.read())
+  tb.text("report", md)
   tb.close()
   say(f"report: {len(samples)} samples, {sum(1 for k in keys.values() if k.sigma)} sigma(s) -> {report_dir}")
-  return {"report_dir": report_dir, "keys": keys, "plots": pngs, "samples": len(samples)}
-
-
-def _all_units(out_dir: str) -> list[dict]:
-  path = os.path.join(out_dir, runner.UNITS_FILE)
-  return read_records(path) if os.path.exists(path) else []
+  return {"report_dir": report_dir, "keys": keys, "plots": pngs, "samples": len(samples), "markdown": md}
