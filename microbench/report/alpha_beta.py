@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from microbench.report import tables
+
 MODEL = "model.json"
 FORM = "t_us(S) = alpha_us + S / (beta_gbps * 1e3)"  # S in bytes; 1 GB/s = 1e3 bytes per microsecond
 
@@ -78,12 +80,8 @@ def fit_points(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[float
 
 
 def _series(records: Iterable[dict[str, Any]]) -> dict[tuple[str, str, str, int], list[dict[str, Any]]]:
-  out: dict[tuple[str, str, str, int], list[dict[str, Any]]] = {}
-  for r in records:
-    if r.get("status") != "ok" or (r.get("wrong") or 0) > 0 or not r.get("time_us"):
-      continue  # a wrong result's time is not the collective's
-    out.setdefault((r["collective"], r["scope"], r["dtype"], int(r["group_size"])), []).append(r)
-  return out
+  # A wrong result's time is not the collective's.
+  return tables.by_series(r for r in tables.ok(records) if not (r.get("wrong") or 0) > 0 and r.get("time_us"))
 
 
 def fit_series(key: tuple[str, str, str, int], recs: list[dict[str, Any]]) -> Fit:
