@@ -165,11 +165,12 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
     md += ["", f"## Sweep `{run.label}`", "", *_env_lines(run.meta), "",
            "### Average bus bandwidth (mean over sizes), best busbw and its share of the link peak", "",
            tables.markdown(tables.SUMMARY_HEADERS, tables.summary_rows(run.records))]
-    for title, rows in tables.problem_rows(run.records).items():
+    problems = tables.problem_rows(run.records)
+    for title, rows in problems.items():
       if rows:
         md += ["", f"### Points {title} ({len(rows)})", "",
                tables.markdown(("collective", "scope", "dtype", "size", "what", "detail"), rows)]
-    if not any(tables.problem_rows(run.records).values()):
+    if not any(problems.values()):
       md += ["", "No skipped, failed, wrong or straggling points."]
     md += ["", f"### Alpha-beta model per series: {alpha_beta.FORM}", "",
            tables.markdown(FIT_HEADERS, fit_rows(fits[run.label]))]
