@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         f" wrote {build.REPORT} and {len(report.figures)} figure(s) to {os.path.abspath(out)}")
   if predict:
     from microbench.report import tables  # pylint: disable=g-import-not-at-top
-    print(tables.markdown(build.PREDICT_HEADERS, build.prediction_rows(report.fits, predict)))
+    print(tables.markdown(build.PREDICT_HEADERS, report.predictions))
   return 0
 
 

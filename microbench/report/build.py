@@ -32,6 +32,7 @@ class Report:
   fits: dict[str, list[alpha_beta.Fit]]  # run label -> fits
   sweeps: list[runs.SweepRun]
   trains: list[runs.TrainRun]
+  predictions: list[tuple[Any, ...]]  # prediction_rows for --predict's sizes ([] without)
 
 
 def _slug(text: str) -> str:
@@ -211,9 +212,9 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
         [(row[0], (t.summary or {}).get("item", "items"), row[8], row[10]) for row, t in zip(rows, trains)])
     md += ["", "![train_curves](train_curves.png)", "", "![train_throughput](train_throughput.png)"]
 
-  if predict and fits:
-    md += ["", "## Predicted times from the alpha-beta fits", "",
-           tables.markdown(PREDICT_HEADERS, prediction_rows(fits, predict))]
+  predictions = prediction_rows(fits, predict) if predict and fits else []
+  if predictions:
+    md += ["", "## Predicted times from the alpha-beta fits", "", tables.markdown(PREDICT_HEADERS, predictions)]
 
   for name, fig in figures.items():
     plots.save(fig, os.path.join(out, name))
@@ -222,4 +223,4 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
   text = "\n".join(md) + "\n"
   with open(os.path.join(out, REPORT), "w", encoding="utf-8") as f:
     f.write(text)
-  return Report(out, text, figures, fits, sweeps, trains)
+  return Report(out, text, figures, fits, sweeps, trains, predictions)
