@@ -111,6 +111,24 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
   assert "Traceback" not in r.stderr + r.stdout
 
 
+@pytest.mark.parametrize("module,args,message", [
+    ("microbench", ["--frobnicate"], "microbench: error: Unknown command line flag 'frobnicate'"),
+    ("microbench", ["--samples=lots"], "microbench: error: flag --samples=lots"),
+    ("microbench.cli.study", ["proxy", "--compute=fast"], "microbench-study: error: flag --compute=fast: value should"
+                                                          " be one of <sleep|busy>"),
+])
+def test_a_flag_absl_rejects_is_one_clear_line(module, args, message):
+  """Flags absl itself rejects (unknown flag, bad enum or integer) get the same one line as the commands' own
+  checks (absl's default is a FATAL line plus a hint, exit 1)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
+                     env=clean_env(), cwd=ROOT)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), r.stderr
+
+
 def test_an_outdir_holding_a_run_is_not_mixed_with_a_new_one(tmp_path):
   (tmp_path / "meta.json").write_text("{}")
   r = run_cli([f"--outdir={tmp_path}"], timeout=60)

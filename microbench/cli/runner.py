@@ -26,7 +26,14 @@ def run(main: Callable[[list[str]], int | None], name: str, flag_modules: Sequen
       print(f"{name}: error: {e}", file=sys.stderr, flush=True)
       return EXIT_USAGE
 
-  app.run(guarded, argv=argv)
+  def parse(args: list[str]) -> list[str]:  # a flag absl rejects (bad enum value, unknown flag): one line too
+    try:
+      return fv(args)
+    except flags.Error as e:
+      print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+      sys.exit(EXIT_USAGE)
+
+  app.run(guarded, argv=argv, flags_parser=parse)
 
 
 def run_with_command(main: Callable[[list[str]], int], command: list[str], name: str, flag_module: str) -> None:

@@ -46,7 +46,8 @@ flags.DEFINE_enum("compute", "sleep", ["sleep", "busy"], "Emulated compute: the 
 flags.DEFINE_float("compute_scale", 1.0, "Multiply every emulated compute time (rehearsals: < 1).", lower_bound=0)
 flags.DEFINE_float("bytes_scale", 1.0, "Multiply every message size (rehearsals on slow networks: < 1).",
                    lower_bound=0)
-flags.DEFINE_string("proxy_dtype", "bfloat16", "Element type of the proxy's buffers: bfloat16, float16, float32.")
+flags.DEFINE_enum("proxy_dtype", "bfloat16", ["bfloat16", "float16", "float32"], "Element type of the proxy's"
+                  " buffers.")
 flags.DEFINE_string("out", None, "proxy: JSONL records (process 0). plan: plan folder. run: results folder.")
 flags.DEFINE_string("label", "", "proxy: a label copied into the header record.")
 
@@ -139,8 +140,6 @@ def _proxy() -> int:
     st = workloads.strategy(FLAGS.strategy)
   except workloads.WorkloadError as e:
     raise app.UsageError(str(e)) from None
-  if FLAGS.proxy_dtype not in ("bfloat16", "float16", "float32"):
-    raise app.UsageError(f"--proxy_dtype={FLAGS.proxy_dtype}: choose bfloat16, float16 or float32")
   out = open(FLAGS.out, "a", encoding="utf-8") if FLAGS.out else None  # pylint: disable=consider-using-with
 
   def stop(signum, frame):  # the study's kill sequence: SIGUSR1 ends a job at once, records already flushed

@@ -30,10 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from microbench.bench import collectives
+from microbench.bench import collectives, program
 from microbench.study import schedules as sch
+from microbench.study import workloads as wl
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+DTYPES = {k: program.DTYPES[k] for k in ("bfloat16", "float32", "float16")}  # the floating types a proxy moves
 
 
 class ProxyError(RuntimeError):
@@ -223,7 +224,7 @@ def run(job: sch.JobSchedule, *, iters: int, warmup: int, out: IO[str] | None, c
             "device_kind": devices[0].device_kind, "programs_rank0": len(comms), "compile_s_rank0": compile_s,
             "scaled": summary(job, element_bytes), "labels": labels, "pid": os.getpid()}
   if full is not None:
-    header["full"] = summary(full, 2)
+    header["full"] = summary(full, wl.BF16_BYTES)  # the study's full-scale messages are bf16
   if compute == "busy":
     header["busy_seconds_per_iter"] = kernel.seconds_per_iter
   if writer:
