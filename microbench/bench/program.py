@@ -73,6 +73,12 @@ class Point:
   def n(self) -> int:
     return self.scope.group_size
 
+  def inputs(self) -> jax.Array:
+    """The known inputs on the devices, made on first use and kept until a timed program consumes them."""
+    if self.x is None:
+      self.x = known_input_array(self)
+    return self.x
+
   @property
   def platform(self) -> str:
     return platform_of(self.mesh)
@@ -188,7 +194,7 @@ def repeat(step: Callable, reps: int, carry):
 def initial_carry(point: Point) -> tuple[jax.Array, ...]:
   """The timed programs' first carry: the known inputs, zeros for any other slot."""
   counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype)
-  x = point.x if point.x is not None else known_input_array(point)
+  x = point.inputs()
   point.x = None  # the first timed call consumes it
   zeros = [_global_array(point.mesh, c, lambda p, c=c: np.zeros(c, np.int8), DTYPES[point.dtype])
            for c in counts[1:]]
@@ -203,9 +209,7 @@ def check(point: Point, compare: bool = True) -> int:
   """
   coll, n = point.collective, point.n
   in_count, out_count = point.in_count, point.out_count
-  if point.x is None:
-    point.x = known_input_array(point)
-  y = point.check_prog.fn(point.x)
+  y = point.check_prog.fn(point.inputs())
   if not compare:
     jax.block_until_ready(y)
     return 0
@@ -225,10 +229,9 @@ def check(point: Point, compare: bool = True) -> int:
 
 def call_time(point: Point) -> float:
   """Wall time of one call of the check program (one operation plus everything a call pays once)."""
-  if point.x is None:
-    point.x = known_input_array(point)
+  x = point.inputs()
   t0 = time.perf_counter()
-  jax.block_until_ready(point.check_prog.fn(point.x))
+  jax.block_until_ready(point.check_prog.fn(x))
   return time.perf_counter() - t0
 
 
@@ -271,15 +274,14 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],
                inject_delay_s: float = 0.0) -> np.ndarray:
   """Latency mode: seconds of each of `samples` single-operation calls (dispatch included)."""
-  if point.x is None:
-    point.x = known_input_array(point)
+  x = point.inputs()
   for _ in range(warmup):
-    jax.block_until_ready(point.check_prog.fn(point.x))
+    jax.block_until_ready(point.check_prog.fn(x))
   times = []
   for _ in range(samples):
     barrier()
     t0 = time.perf_counter()
-    jax.block_until_ready(point.check_prog.fn(point.x))
+    jax.block_until_ready(point.check_prog.fn(x))
     if inject_delay_s:
       time.sleep(inject_delay_s)
     times.append(time.perf_counter() - t0)
