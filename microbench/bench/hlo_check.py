@@ -111,11 +111,11 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
       raise HloMismatch(f"{exp.op} moves {c.elements} elements per device, expected {exp.elements}: {c.text[:200]}")
   if len(wire) > 1:
     raise HloMismatch(f"{exp.op} runs in several types {sorted(wire)}")
-  counts = parse.execution_counts(hlo_text)
-  loops = parse.while_loops(hlo_text)
+  comps = parse.computations(hlo_text)
+  counts = parse.execution_counts(hlo_text, comps)
   in_loops: dict[str, WhileTrip] = {}
-  for loop in loops:
-    for name in parse.reachable(hlo_text, loop.body):
+  for loop in parse.while_loops(hlo_text, comps):
+    for name in parse.reachable(hlo_text, loop.body, comps):
       in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
   total, inside, trips = 0, 0, []
   for c in matches:
@@ -133,7 +133,7 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
   if exp.copy_limit is not None:
-    _no_big_copies(hlo_text, exp.copy_limit, in_loops)
+    _no_big_copies(hlo_text, comps, exp.copy_limit, in_loops)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None))
 
@@ -144,10 +144,9 @@ class WhileTrip:
   line: str
 
 
-def _no_big_copies(hlo_text: str, limit: int, in_loops: dict) -> None:
-  comps = parse.computations(hlo_text)
+def _no_big_copies(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict) -> None:
   entry = next((c.name for c in comps.values() if c.entry), None)
-  run = parse.reachable(hlo_text, entry) if entry else set(comps)
+  run = parse.reachable(hlo_text, entry, comps) if entry else set(comps)
   for name in sorted(run):
     for line in comps[name].lines:
       ins = parse.parse_instruction(line)

@@ -281,11 +281,12 @@ def _calls(comps: dict[str, Computation]) -> list[tuple[str, str, str, int | Non
   return out
 
 
-def execution_counts(hlo_text: str) -> dict[str, int | None]:
+def execution_counts(hlo_text: str, comps: dict[str, Computation] | None = None) -> dict[str, int | None]:
   """How many times each computation runs per execution of the module, following while bodies (times the
   loop's known trip count), fusions, calls and async computations from the entry. None: unknown (a while
-  without known trip count, or a conditional branch, on the way)."""
-  comps = computations(hlo_text)
+  without known trip count, or a conditional branch, on the way). `comps`: the module's computations, when
+  the caller has them already."""
+  comps = comps if comps is not None else computations(hlo_text)
   calls: dict[str, list[tuple[str, str, int | None]]] = {}
   for caller, kind, callee, trip in _calls(comps):
     calls.setdefault(caller, []).append((kind, callee, trip))
@@ -306,9 +307,9 @@ def execution_counts(hlo_text: str) -> dict[str, int | None]:
   return counts
 
 
-def reachable(hlo_text: str, root: str) -> set[str]:
+def reachable(hlo_text: str, root: str, comps: dict[str, Computation] | None = None) -> set[str]:
   """Computations run from `root` (itself included), reductions' `to_apply` left out."""
-  comps = computations(hlo_text)
+  comps = comps if comps is not None else computations(hlo_text)
   seen, todo = set(), [root]
   while todo:
     name = todo.pop()
