@@ -135,6 +135,21 @@ def constrain_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, spec_for(names, use))
 
 
+def axis_size(name: str) -> int:
+  """Size of mesh axis `name` in the active mesh (1 outside a mesh, or when the mesh has no such axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty or name not in mesh.axis_names else int(mesh.shape[name])
+
+
+def mesh_axes_for(name: str, min_size: int = 1) -> tuple[str, ...]:
+  """The active mesh's axes that the project's rules table maps logical `name` to (those present, of size
+  >= `min_size`), in rule order; () outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  return tuple(a for a in (dict(RULES)[name] or ()) if a in mesh.axis_names and mesh.shape[a] >= min_size)
+
+
 def mesh_degree(names: Sequence[str]) -> int:
   """How many ways the active mesh splits an array dimension with any of these logical names (1 outside
   a mesh): e.g. `mesh_degree(("batch",))` is the number of batch shards."""

@@ -221,11 +221,7 @@ def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axi
 
 def group_axes() -> tuple[str, ...]:
   """Mesh axes of size > 1 that split `batch` (the project's rules): tokens are routed per shard."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return ()
-  axes = dict(par.RULES)["batch"] or ()
-  return tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+  return par.mesh_axes_for("batch", min_size=2)
 
 
 def moe_ffn(x_BTD: jax.Array, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, move: bool = True):

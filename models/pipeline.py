@@ -70,9 +70,7 @@ def transfer_pairs(stages: int, virtual: int, step: int) -> list[tuple[int, int]
 
 def batch_axes() -> tuple[str, ...]:
   """The mesh axes that split `batch` (from the project's rules), present in the current mesh."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = dict(par.RULES)["batch"] or ()
-  return tuple(a for a in axes if a in mesh.axis_names)
+  return par.mesh_axes_for("batch")
 
 
 def _manual() -> tuple[str, ...]:
@@ -239,9 +237,7 @@ def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_par
   """
   from flax.core import spmd  # pylint: disable=g-import-not-at-top
 
-  mesh = jax.sharding.get_abstract_mesh()
-  stages = mesh.shape[AXIS] if AXIS in mesh.axis_names else 1
-  if stages != sched.stages:
+  if (stages := par.axis_size(AXIS)) != sched.stages:
     raise ps.ScheduleError(f"the schedule is for {sched.stages} stages but the mesh's `stage` axis has {stages}")
   for leaf in jax.tree.leaves(layer_params):
     if leaf.shape[0] != sched.virtual:
@@ -314,8 +310,7 @@ def check_layers(num_layers: int, stages: int, virtual: int = 1) -> None:
 
 def stages() -> int:
   """The `stage` axis of the active mesh (1 outside a mesh): a model pipelines when it is > 1."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return 1 if mesh.empty or AXIS not in mesh.axis_names else int(mesh.shape[AXIS])
+  return par.axis_size(AXIS)
 
 
 def values(state: nnx.State) -> nnx.State:
