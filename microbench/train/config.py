@@ -23,6 +23,7 @@ from models.train_step import Trainer, variable_spec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
+DEFAULT_SCHEDULE = "1f1b"  # pipeline schedule when --schedule is not given
 
 
 class ConfigError(ValueError):
@@ -81,19 +82,32 @@ class Plan:
   placement: dict[str, str]
   attention: str = "xla"  # the implementation that runs ("auto" resolved)
   attention_note: str = ""  # why
-  microbatches: int = 1  # pipeline microbatches (1 without pp)
-  schedule: str | None = None  # pipeline schedule (None without pp)
 
   @property
   def stages(self) -> int:
     return self.parallelism.degree("pp")
 
+  @property
+  def microbatches(self) -> int:
+    """Pipeline microbatches (1 without pp)."""
+    return pipeline_microbatches(self.cfg, self.stages)
+
+  @property
+  def schedule(self) -> str | None:
+    """Pipeline schedule (None without pp)."""
+    return (self.cfg.schedule or DEFAULT_SCHEDULE) if self.stages > 1 else None
+
   def execution(self, without: str | None = None) -> Execution:
     """How the layers run for this request (`without`: a timing arm, see models.layers.WITHOUT)."""
     c = self.cfg
     return Execution(remat=c.remat, scan=c.scan_layers, attention=self.attention, context_impl=c.context_impl,
-                     schedule=self.schedule or "1f1b", microbatches=self.microbatches,
+                     schedule=self.schedule or DEFAULT_SCHEDULE, microbatches=self.microbatches,
                      virtual_stages=c.virtual_stages, without=without)
+
+
+def pipeline_microbatches(cfg: TrainConfig, stages: int) -> int:
+  """Microbatches a pipeline of `stages` runs (--microbatches, default the stage count); 1 without pp."""
+  return (cfg.microbatches or stages) if stages > 1 else 1
 
 
 def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topology | None]:
@@ -163,7 +177,7 @@ def _check_pipeline(cfg: TrainConfig, spec: ModelSpec, parallelism: par.Parallel
                       f" the pipeline, where XLA's CPU runtime deadlocks; use cp:{parallelism.degree('cp')}"
                       " without pp")
   try:
-    pipeline_schedule.check(cfg.schedule or "1f1b", pp, cfg.microbatches or pp, cfg.virtual_stages)
+    pipeline_schedule.check(cfg.schedule or DEFAULT_SCHEDULE, pp, pipeline_microbatches(cfg, pp), cfg.virtual_stages)
     pipeline.check_layers(spec.config.num_layers, pp, cfg.virtual_stages)
   except pipeline_schedule.ScheduleError as e:
     raise ConfigError(str(e)) from None
@@ -231,7 +245,7 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
                       f" {parallelism.batch_shards * cfg.grad_accum}: every microbatch needs the same number of"
                       " examples on every batch shard")
   pp = parallelism.degree("pp")
-  microbatches = (cfg.microbatches or pp) if pp > 1 else 1
+  microbatches = pipeline_microbatches(cfg, pp)
   if pp > 1 and cfg.batch % (parallelism.batch_shards * microbatches):
     raise ConfigError(f"--batch={cfg.batch} is not divisible by microbatches x batch shards = {microbatches} x"
                       f" {parallelism.batch_shards}: every pipeline microbatch needs the same number of examples on"
@@ -239,8 +253,7 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
   mesh = par.build_mesh(parallelism, devices, order)
   attention, why = choose_attention(cfg.attention, spec, cfg.dtype, devices[0], parallelism)
   return Plan(cfg, spec, parallelism, order, topology, note, mesh,
-              par.describe_placement(parallelism, order, topology), attention, why, microbatches,
-              (cfg.schedule or "1f1b") if pp > 1 else None)
+              par.describe_placement(parallelism, order, topology), attention, why)
 
 
 def _cudnn_obstacle(spec: ModelSpec, dtype: str, device: jax.Device, parallelism: par.Parallelism) -> str | None:
