@@ -104,16 +104,20 @@ def _existing_state() -> str:
 def _run_jobs(bed: tbm.Testbed, host_lists: list[list[int]]) -> int:
   """Runs one job per host list, concurrently; prints and returns the first failed job's exit status."""
   log_root = FLAGS.log_dir or tempfile.mkdtemp(prefix=f"microbench-{bed.prefix}-")
-  try:
-    reports = testbed_jobs.run_jobs(bed, host_lists, _COMMAND, log_root=log_root,
-                                    devices_per_process=FLAGS.devices_per_process, pass_flags=FLAGS.pass_flags,
-                                    timeout=FLAGS.timeout or None, grace=FLAGS.grace, say=say)
+  try:  # only the log folder is guarded: an OSError while the jobs run is not the user's input
+    os.makedirs(log_root, exist_ok=True)
   except OSError as e:
-    raise app.UsageError(f"cannot create a log dir under {log_root}: {e.strerror}") from None
+    raise app.UsageError(f"cannot create the log dir {log_root}: {e.strerror}") from None
+  reports = testbed_jobs.run_jobs(bed, host_lists, _COMMAND, log_root=log_root,
+                                  devices_per_process=FLAGS.devices_per_process, pass_flags=FLAGS.pass_flags,
+                                  timeout=FLAGS.timeout or None, grace=FLAGS.grace, say=say)
   if FLAGS.report:
-    with open(FLAGS.report, "w", encoding="utf-8") as f:
-      json.dump(dict(testbed=bed.prefix, command=_COMMAND, jobs=[dataclasses.asdict(r) for r in reports]), f,
-                indent=1)
+    try:
+      with open(FLAGS.report, "w", encoding="utf-8") as f:
+        json.dump(dict(testbed=bed.prefix, command=_COMMAND, jobs=[dataclasses.asdict(r) for r in reports]), f,
+                  indent=1)
+    except OSError as e:
+      raise app.UsageError(f"cannot write --report={FLAGS.report}: {e.strerror}") from None
   return next((r.returncode for r in reports if r.returncode), 0)
 
 
