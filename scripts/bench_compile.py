@@ -12,10 +12,13 @@ one-time start-up costs.
 from __future__ import annotations
 
 import json
+import dataclasses
 import os
 import statistics
 
 from absl import app, flags
+
+from microbench.cli import runner
 
 flags.DEFINE_string("model", "gpt2", "Model family.")
 flags.DEFINE_string("size", "124m", "Model size.")
@@ -31,15 +34,25 @@ FLAGS = flags.FLAGS
 
 def main(argv: list[str]) -> None:
   del argv
-  from meshes.parallelism import parse_parallelism  # pylint: disable=g-import-not-at-top
-  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(parse_parallelism(FLAGS.parallelism).num_devices))
+  from meshes.parallelism import ParallelismError, parse_parallelism  # pylint: disable=g-import-not-at-top
+  try:
+    devices = parse_parallelism(FLAGS.parallelism).num_devices
+    depths = [int(d) for d in FLAGS.depths]
+  except ParallelismError as e:
+    raise app.UsageError(str(e)) from None
+  except ValueError as e:
+    raise app.UsageError(f"--depths={','.join(FLAGS.depths)}: {e}") from None
+  os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(devices))
   from microbench import train  # pylint: disable=g-import-not-at-top
 
   # A throwaway compile first: the first compile in a process pays one-time start-up costs (seconds).
-  train.run(train.TrainConfig(model=FLAGS.model, size=FLAGS.size, layers=1, batch=FLAGS.batch,
-                              seq_len=FLAGS.seq_len, parallelism=FLAGS.parallelism, compile_only=True,
-                              write=False, verbose=False))
-  depths = [int(d) for d in FLAGS.depths]
+  first = train.TrainConfig(model=FLAGS.model, size=FLAGS.size, layers=1, batch=FLAGS.batch, seq_len=FLAGS.seq_len,
+                            parallelism=FLAGS.parallelism, compile_only=True, write=False, verbose=False)
+  try:
+    train.check_request(dataclasses.replace(first, layers=max(depths)))  # bad flags: one line, before compiling
+    train.run(first)
+  except train.ConfigError as e:
+    raise app.UsageError(str(e)) from None
   arms = [(d, scan) for scan in ((True, False) if FLAGS.unrolled else (True,)) for d in depths]
   times: dict[str, list[float]] = {f"{d}{'' if s else '_unrolled'}": [] for d, s in arms}
   for r in range(FLAGS.rounds):
@@ -69,4 +82,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  runner.run(main, "bench_compile.py", [__name__])

@@ -119,7 +119,7 @@ def describe(peaks: Mapping[str, LevelPeak]) -> dict[str, dict[str, object] | No
 
 
 def _levels(axes: Sequence[str], extents: Mapping[str, int],
-            peaks: Mapping[str, LevelPeak]) -> list[tuple[int, float | None]] | None:
+            peaks: Mapping[str, LevelPeak]) -> list[tuple[int, float | None]]:
   """(extent, GB/s) per physical link the scope's groups cross, inner to outer; axes over the same link
   (nodes and racks over the same NICs) are one level."""
   levels: list[tuple[str, int, float | None]] = []
