@@ -38,10 +38,8 @@ FLAGS = flags.FLAGS
 
 
 def _env() -> dict[str, str]:
-  env = launch.with_repo_on_path(dict(os.environ))
-  if FLAGS.smoke:
-    env.update(JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
-  return env
+  """The children's environment: ours (main already set --smoke's CPU settings in it), the checkout on the path."""
+  return launch.with_repo_on_path(dict(os.environ))
 
 
 def _tiny_step(c):
