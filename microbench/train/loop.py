@@ -325,7 +325,9 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       loss_v = _scalar(metrics["loss"])  # waits for the step
     dt = time.perf_counter() - t
     norm_v = _scalar(metrics["grad_norm"])
-    batch = make_batch(step + 1)  # next batch, generated on the devices outside the timed region
+    # The next batch, generated on the devices and waited for here, outside the timed region (dispatched
+    # without the wait, the next step's time would include making it).
+    batch = jax.block_until_ready(make_batch(step + 1))
     losses.append(loss_v)
     norms.append(norm_v)
     times.append(dt)
