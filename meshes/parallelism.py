@@ -122,6 +122,17 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 GATHERED_AXES = ("fsdp",)
 
 
+def filter_axes(axes: str | Sequence[str] | None, *, keep: Sequence[str] | None = None,
+                drop: Sequence[str] = ()) -> tuple[str, ...] | None:
+  """A rule's or spec entry's mesh axes, only those in `keep` (all when None) and none of `drop`; None when
+  none is left (the dimension is not split)."""
+  if axes is None:
+    return None
+  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+               if (keep is None or a in keep) and a not in drop)
+  return kept or None
+
+
 def constrain_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   """Pins a weight to the layout it is used in: its rules' sharding minus `GATHERED_AXES` (the FSDP
   all-gather happens here), tensor-parallel splits kept. A no-op outside a mesh, like `constrain`."""
@@ -130,8 +141,7 @@ def constrain_for_use(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   rules = spmd.get_logical_axis_rules()
   if not rules or jax.sharding.get_abstract_mesh().empty:
     return x
-  use = tuple((n, None if a is None else (tuple(m for m in a if m not in GATHERED_AXES) or None))
-              for n, a in rules)
+  use = tuple((n, filter_axes(a, drop=GATHERED_AXES)) for n, a in rules)
   return jax.lax.with_sharding_constraint(x, spec_for(names, use))
 
 

@@ -87,21 +87,6 @@ def _spec_axes(spec: jax.P) -> set[str]:
   return {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
 
 
-def _keep(axes, keep):
-  """A spec entry with only the given mesh axes."""
-  if axes is None:
-    return None
-  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in keep)
-  return kept or None
-
-
-def _without(axes, drop):
-  """A rule's mesh axes without the manual ones."""
-  if axes is None:
-    return None
-  kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in drop)
-  return kept or None
-
 
 def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_params, head_params, x_MbTD,
          targets_M):
@@ -247,11 +232,11 @@ def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_par
   manual = _manual()
   bax = batch_axes()
   rules = spmd.get_logical_axis_rules()
-  inner_rules = tuple((name, _without(axes, manual)) for name, axes in rules)
+  inner_rules = tuple((name, par.filter_axes(axes, drop=manual)) for name, axes in rules)
   if layer_specs is None:
     layer_specs = jax.tree.map(lambda _: jax.P(None, AXIS), layer_params)
   lp_specs = jax.tree.map(
-      lambda spec: jax.P(*(_keep(e, LOCAL_WEIGHT_AXES) for e in spec)),
+      lambda spec: jax.P(*(par.filter_axes(e, keep=LOCAL_WEIGHT_AXES) for e in spec)),
       layer_specs, is_leaf=lambda x: isinstance(x, jax.P))
   rep = lambda t: jax.tree.map(lambda _: jax.P(), t)
   micro = lambda t: jax.tree.map(lambda _: jax.P(None, bax), t)
