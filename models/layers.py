@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +303,18 @@ def run_layers(graphdef: nnx.GraphDef, state: nnx.State, x_BTD: jax.Array, execu
   return x_BTD, aux, {k: jnp.sum(v, axis=0) for k, v in stats.items()}
 
 
+def stack_chunks(tree: Any, virtual: int) -> Any:
+  """[L, ...] leaves -> [V, L/V, ...]: chunk c of device d is virtual stage c*S+d when dim 1 is split
+  over S stages (for V=1 this only adds the leading dim)."""
+  return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), tree)
+
+
+def unstack_chunks(tree: Any) -> Any:
+  """Inverse of `stack_chunks`: [V, L/V, ...] leaves -> [L, ...] in layer order."""
+  return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
+
+
+
 class BlockStack(nnx.Module):
   """`num_layers` blocks whose parameters are stacked along a leading `layers` dimension.
 
@@ -332,14 +345,14 @@ class BlockStack(nnx.Module):
         raise ValueError(f"{v} virtual stages do not divide the {num_layers} layers")
       for _, var in nnx.iter_graph(self.layers):
         if isinstance(var, nnx.Variable):
-          var.set_value(var[...].reshape(v, num_layers // v, *var.shape[1:]))
+          var.set_value(stack_chunks(var[...], v))
           var.set_metadata(out_sharding=(None, *var.get_metadata()["out_sharding"]))
 
   def run(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, Stats]:
     """(x, aux loss, stats) after every block, in layer order (a `[V, L/V]` stack read as `[L]`)."""
     graphdef, state = nnx.split(self.layers)
     if self.execution.virtual_stages > 1:
-      state = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), state)
+      state = unstack_chunks(state)
     return run_layers(graphdef, state, x_BTD, self.execution)
 
   def __call__(self, x_BTD: jax.Array) -> jax.Array:

@@ -39,7 +39,7 @@ from flax import nnx
 
 from meshes import parallelism as par
 from models import pipeline_schedule as ps
-from models.layers import BlockStack, Stats, run_layers
+from models.layers import BlockStack, Stats, run_layers, stack_chunks, unstack_chunks  # noqa: F401
 from models.pipeline_schedule import Schedule
 
 AXIS = "stage"
@@ -267,16 +267,6 @@ def pipeline_loss(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, layer_par
 
   loss_fn.defvjp(fwd, bwd)
   return loss_fn(layer_params, head_params, x_MbTD, targets_M)
-
-
-def stack_chunks(tree: Any, virtual: int) -> Any:
-  """[L, ...] leaves -> [V, L/V, ...]: chunk c of device d is virtual stage c*S+d when dim 1 is split
-  over S stages (for V=1 this only adds the leading dim)."""
-  return jax.tree.map(lambda a: a.reshape(virtual, a.shape[0] // virtual, *a.shape[1:]), tree)
-
-
-def unstack_chunks(tree: Any) -> Any:
-  return jax.tree.map(lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]), tree)
 
 
 def check_layers(num_layers: int, stages: int, virtual: int = 1) -> None:
