@@ -1,7 +1,7 @@
 """The folder tree is the architecture: each package imports only from the layers below it, with no cycles.
 
 Layers, bottom to top: `meshes` (topologies, meshes, scopes, strategies as rules); `models` (Flax models,
-on meshes only); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
+on meshes only); `microbench.target` (GPU kinds as data, compile-only devices); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
 hosts); `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the
 two measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
 commands) on top.
@@ -21,11 +21,12 @@ PACKAGES = ("meshes", "models", "microbench")
 LAYER = {
     "meshes": 0,
     "models": 1,
-    "microbench.hlo": 2, "microbench.output": 2, "microbench.cluster": 2,
-    "microbench.report": 3,  # reads run folders; below the measurements so a run can leave its fit and figures
-    "microbench.bench": 4, "microbench.train": 4,
-    "microbench.study": 5,
-    "microbench.cli": 6, "microbench": 6,  # microbench/__init__ and __main__ (python -m microbench)
+    "microbench.target": 2,  # GPU kinds as data, compile-only devices: what the machine is, below everything
+    "microbench.hlo": 3, "microbench.output": 3, "microbench.cluster": 3,
+    "microbench.report": 4,  # reads run folders; below the measurements so a run can leave its fit and figures
+    "microbench.bench": 5, "microbench.train": 5,
+    "microbench.study": 6,
+    "microbench.cli": 7, "microbench": 7,  # microbench/__init__ and __main__ (python -m microbench)
 }
 
 

@@ -150,8 +150,8 @@ def test_result_types_of_plain_and_async_forms():
   assert parse.result_arrays("f32[256]{0}") == (["f32"], 256)
   assert parse.result_arrays("(bf16[2]{0}, bf16[2]{0})") == (["bf16", "bf16"], 4)
   # all-gather-start returns (operand, output); collective-permute-start adds two u32 contexts.
-  assert parse.result_arrays("(f32[64]{0}, f32[256]{0})", async_start=True) == (["f32"], 256)
-  assert parse.result_arrays("(f32[64]{0}, f32[64]{0}, u32[], u32[])", async_start=True) == (["f32"], 64)
+  assert parse.result_arrays("(f32[64]{0}, f32[256]{0})", "all-gather") == (["f32"], 256)
+  assert parse.result_arrays("(f32[64]{0}, f32[64]{0}, u32[], u32[])", "collective-permute") == (["f32"], 64)
 
 
 NESTED = """

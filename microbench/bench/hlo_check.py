@@ -57,6 +57,15 @@ class Verified:
   wire_dtype: str          # the dtype the op runs in on this platform
   executions: int
   trip_counts: tuple[int, ...]  # of the loops the op runs in
+  in_loop: int = 0         # executions per call that run inside loops with a known trip count
+  emitted: tuple[str, ...] = ()  # the op's opcodes as compiled (`all-reduce-start` ...)
+  sync_starts: int = 0     # async starts XLA:GPU marked to run synchronously
+
+  def facts(self) -> dict:
+    """The record's view: what ran, as compiled."""
+    return {"op_emitted": sorted(set(self.emitted)), "executions": self.executions,
+            "executions_in_loop": self.in_loop, "trip_counts": sorted(set(self.trip_counts)),
+            "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype}
 
 
 def expected_groups(op: str, groups: np.ndarray, ordered: bool = False) -> frozenset:
@@ -135,7 +144,8 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   if exp.copy_limit is not None:
     _no_big_copies(hlo_text, comps, exp.copy_limit, in_loops)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
-                  tuple(t for t in trips if t is not None))
+                  tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
+                  sum(1 for c in matches if c.sync))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +164,7 @@ def _no_big_copies(hlo_text: str, comps: dict[str, parse.Computation], limit: in
         continue
       # Scalars (loop counters, async contexts) are never the message.
       shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
-      _, elements = parse.result_arrays(shaped, ins.opcode == "copy-start")
+      _, elements = parse.result_arrays(shaped, "copy" if ins.opcode == "copy-start" else None)
       if elements >= limit:
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} copies {elements} elements (a buffer of the message's size) on every "

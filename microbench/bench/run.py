@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import importlib.util
 import os
@@ -18,6 +19,7 @@ from microbench.cluster import distributed, environment, link_peaks, machine
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta
+from microbench.target import compile_only
 
 # Per device a point holds the known inputs, the check's output, then the loop carry and the body's
 # temporary (all-gather: its input shard too): about 4 S at the peak.
@@ -41,7 +43,7 @@ def _device_memory() -> int:
 
 def _check_memory(cfg: sweep.SweepConfig) -> None:
   need = _DEVICE_BYTES_PER_S * cfg.max_bytes
-  have = _device_memory()
+  have = cfg.device_memory or _device_memory()
   if need > have:
     raise app.UsageError(
         f"--max_bytes={sizes.format_size(cfg.max_bytes)} needs about {sizes.format_size(need)} per device but a "
@@ -72,15 +74,26 @@ def _raise_interrupt(signum, frame):
 def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
             nodes_per_rack: int | None, flag_values: dict[str, Any],
             cluster: distributed.Settings = distributed.Settings()) -> int:
-  distributed.initialize(cluster)
-  emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
-  import jax  # pylint: disable=g-import-not-at-top
-  try:
-    topology, mesh, note = machine.resolve(topology, nodes_per_rack)
-  except TopologyError as e:
-    raise app.UsageError(str(e)) from None
-  _check_memory(cfg)
-  hosts = distributed.process_hosts()
+  target = None
+  if cfg.target:  # compile-only devices of a GPU kind: nothing runs, no processes to join
+    try:
+      topology, target, mesh, note = machine.resolve_target(cfg.target, topology, nodes_per_rack)
+    except (TopologyError, compile_only.TargetError, compile_only.KindError) as e:
+      raise app.UsageError(str(e)) from None
+    cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes)
+    emulated, hosts = False, [f"compile-only-host-{i}" for i in range(target.hosts)]
+    import jax  # pylint: disable=g-import-not-at-top
+  else:
+    distributed.initialize(cluster)
+    emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
+    import jax  # pylint: disable=g-import-not-at-top
+    try:
+      topology, mesh, note = machine.resolve(topology, nodes_per_rack)
+    except TopologyError as e:
+      raise app.UsageError(str(e)) from None
+    hosts = distributed.process_hosts()
+  if not target:  # a compile-only run reports each point's fit instead
+    _check_memory(cfg)
   plans = plan_scopes(topology, cfg.scopes)
   try:
     peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
@@ -99,13 +112,19 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
       "status": "running",
       "link_peaks": link_peaks.describe(peaks),
+      "target": target.describe() if target else None,
       "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
   out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
   out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
-  out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
-            f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
+  if target:
+    out.print(f"# microbench: jax {meta['jax_version']}, compile only for {target.hosts} host(s) x "
+              f"{target.gpus_per_host} {target.kind.title} (XLA:GPU, --target={target.kind.name}): nothing runs,"
+              " every program is compiled and its HLO checked")
+  else:
+    out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
+              f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
   for line in environment.header(meta["environment"]) if out.enabled else []:
     out.print(line)
   out.print(f"# {note}")
@@ -149,11 +168,19 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       _write_model(outdir, run_folder.latest(previous + records), out)
   everything = run_folder.latest(previous + records)
   out.print()
-  out.print(table.summary(everything))
+  if not target:
+    out.print(table.summary(everything))
   wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")
   errors = [r for r in everything if r["status"] == "error"]
   skipped = [r for r in everything if r["status"] == "skipped"]
-  out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
+  compiled = [r for r in everything if r["status"] == "compiled"]
+  if target:
+    too_big = [r for r in compiled if r.get("fits") is False]
+    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, every HLO check passed on XLA:GPU's"
+              f" HLO; {len(too_big)} do not fit the {compile_only.mem_fraction():.0%} of"
+              f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+  else:
+    out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
   if skipped:
     out.print(f"# {len(skipped)} point(s) skipped, see 'reason' in results.jsonl")
   if errors:

@@ -22,6 +22,7 @@ from microbench.cluster import distributed, link_peaks
 from microbench.cluster.watchdog import Watchdog, deadline
 from microbench.output import run_folder, table
 from microbench.output.run_folder import point_keys
+from microbench.target import compile_only
 
 
 class JobFailed(RuntimeError):
@@ -50,6 +51,8 @@ class SweepConfig:
   inject_crash: tuple[int, int] | None = None    # (rank, point index): a rank that dies mid-sweep
   link_peaks: str | None = None  # --link_peaks: link peak per fabric level (else device-kind defaults)
   inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
+  target: str | None = None        # --target: compile for this GPU kind's compile-only devices, run nothing
+  device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)
 
   @property
   def latency_mode(self) -> bool:
@@ -57,9 +60,10 @@ class SweepConfig:
 
 
 def finished_points(records: list[dict[str, Any]]) -> set[tuple]:
-  """Points a resumed run need not repeat: measured, or failed their HLO check (deterministic).
+  """Points a resumed run need not repeat: measured, compiled for a target, or failed their HLO check
+  (deterministic).
   Skipped and failed points (out of memory, a hang) are tried again."""
-  return {k for r in records if r["status"] in ("ok", "error") for k in point_keys(r)}
+  return {k for r in records if r["status"] in ("ok", "error", "compiled") for k in point_keys(r)}
 
 
 def _gather(values: np.ndarray) -> np.ndarray:
@@ -155,7 +159,9 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   guard = _Guard(watchdog, cfg.hang_timeout, rec)
   delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
   reps = None
-  if not cfg.latency_mode and expected_op_s > 0:
+  if cfg.target and not cfg.latency_mode:
+    reps = max(program.MIN_LONG_REPS, cfg.iters - cfg.iters % 2)  # nothing runs: the long arm at --iters
+  elif not cfg.latency_mode and expected_op_s > 0:
     reps = program.long_reps(expected_op_s, cfg.iters, cfg.sample_s)
   t0 = time.perf_counter()
   try:
@@ -166,6 +172,8 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
     return {**rec, "status": "skipped", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
              wire_dtype=point.wire_dtype)
+  if cfg.target:
+    return compiled_record(cfg, rec, point, short, long)
   try:
     with guard("correctness check", expected_op_s):
       wrong = program.check(point, compare=cfg.check)
@@ -207,6 +215,28 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
           "busbw_gbps": algbw * coll.busbw_factor(n)}
+
+
+def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
+                    short: program.Compiled | None, long: program.Compiled | None) -> dict[str, Any]:
+  """A point compiled for a GPU target: what each program runs as XLA:GPU compiled it, its memory per device
+  and whether the largest fits the target's memory. Nothing ran, so no time and no check of values."""
+  programs = {"check": point.check_prog, "short": short, "long": long}
+  facts, peak = {}, 0
+  for name, prog in programs.items():
+    if prog is None:
+      continue
+    mem = compile_only.memory(prog.fn)
+    facts[name] = {**prog.verified.facts(), "reps": prog.reps, "memory": mem}
+    peak = max(peak, mem["total_bytes"] if mem else 0)
+  out = {**rec, "status": "compiled", "target": cfg.target, "programs": facts, "memory_bytes": peak,
+         "op_emitted": facts["check"]["op_emitted"]}
+  if long is not None:
+    out.update(iters=long.reps, short_iters=short.reps, trip_count=max(long.verified.trip_counts, default=None),
+               loop_reps=long.verified.in_loop)
+  if cfg.device_memory:
+    out.update(compile_only.fit(peak, cfg.device_memory))
+  return out
 
 
 def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None):

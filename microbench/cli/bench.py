@@ -53,7 +53,7 @@ flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RA
                     " runs, like a collective that never returns.")
 
 SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout")
+               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout", "target")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -113,7 +113,7 @@ def config_from_flags() -> sweep.SweepConfig:
       sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks,
-      inject_hang=(hang[0], int(hang[1])) if hang else None)
+      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target)
 
 
 def main(argv: list[str]) -> int:

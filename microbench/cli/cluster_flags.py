@@ -1,4 +1,5 @@
-"""Flags every command shares: joining a multi-process `jax.distributed` job, and racks of nodes.
+"""Flags every command shares: joining a multi-process `jax.distributed` job, racks of nodes, and a GPU kind
+to compile for without running (`--target`).
 
 Importing this module defines them; `settings()` turns them into microbench.cluster.distributed.Settings.
 """
@@ -18,6 +19,9 @@ flags.DEFINE_integer("process_id", None, "This process's index.", lower_bound=0)
 flags.DEFINE_integer("nodes_per_rack", None,
                      "Group this many nodes (hosts) into one rack (NVLink domain). Default: one rack.",
                      lower_bound=1)
+flags.DEFINE_string("target", None, "Compile for a GPU cluster without one: a GPU kind (a100, h100, h200, gh200,"
+                    " b200, gb200, b300, gb300) whose compile-only devices, shaped by --topology (hosts = racks x"
+                    " nodes), XLA:GPU compiles every program for; nothing runs. Needs the gpu-compile extra.")
 flags.DEFINE_integer("heartbeat_timeout", 10,
                      "Seconds without a heartbeat before a peer is declared dead.", lower_bound=1)
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for all processes to join.", lower_bound=1)

@@ -10,6 +10,7 @@ from absl import app, flags
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import distributed
 from microbench.study import presets
+from microbench.target import compile_only
 from models import FAMILIES
 from models.layers import REMAT_POLICIES
 
@@ -97,19 +98,21 @@ def main(argv: list[str]) -> None:
       microbatches=FLAGS.microbatches, schedule=FLAGS.schedule, virtual_stages=FLAGS.virtual_stages,
       context_impl=FLAGS.context_impl, measure_overheads=FLAGS.measure_overheads, preset=FLAGS.preset,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
-      nodes_per_rack=FLAGS.nodes_per_rack)
+      nodes_per_rack=FLAGS.nodes_per_rack, target=FLAGS.target)
   try:
     if FLAGS.preset is None:
       train.check_request(cfg)  # before any device is touched
     elif FLAGS.preset not in presets.PRESETS:
       raise train.ConfigError(f"unknown --preset={FLAGS.preset!r}; choose one of {', '.join(presets.PRESETS)}")
-    distributed.initialize(cluster_flags.settings())
-    machine.prepare_cpu_devices(train.cpu_devices_wanted(cfg), FLAGS.distributed)
+    if not FLAGS.target:  # compile-only devices need no processes and no CPU emulation
+      distributed.initialize(cluster_flags.settings())
+      machine.prepare_cpu_devices(train.cpu_devices_wanted(cfg), FLAGS.distributed)
     if FLAGS.preset is not None:
       cfg = _with_preset(cfg)
       train.check_request(cfg)
     train.run(cfg)
-  except (train.ConfigError, presets.PresetError) as e:
+  except (train.ConfigError, presets.PresetError, machine.TopologyError, compile_only.TargetError,
+          compile_only.KindError) as e:
     raise app.UsageError(str(e)) from None
 
 
@@ -122,9 +125,14 @@ def _with_preset(cfg):
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
 
   explicit = {name: FLAGS[name].value for name in presets.FIELDS if FLAGS[name].present}
-  device = jax.devices()[0]
-  fields, note = presets.resolve(FLAGS.preset, jax.device_count(), device.platform, machine.device_memory(device),
-                                 explicit)
+  if FLAGS.target:  # the target's devices: a GPU platform with the kind's memory
+    topology, target, _, _ = machine.resolve_target(FLAGS.target, machine.parse_topology(FLAGS.topology)
+                                                    if FLAGS.topology else None, FLAGS.nodes_per_rack)
+    count, platform, memory = topology.num_devices, "gpu", target.memory_bytes
+  else:
+    device = jax.devices()[0]
+    count, platform, memory = jax.device_count(), device.platform, machine.device_memory(device)
+  fields, note = presets.resolve(FLAGS.preset, count, platform, memory, explicit)
   return dataclasses.replace(cfg, **fields, preset_note=note)
 
 

@@ -20,6 +20,8 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from microbench.target import gpu_kinds
+
 LEVELS = ("scale_up", "rack_scale", "scale_out")
 
 # name -> (GB/s per direction per rank, what it is, where the figure comes from)
@@ -39,16 +41,23 @@ LINKS: dict[str, tuple[float, str, str]] = {
                     "HPE Slingshot: 64-port 200 Gb/s Rosetta switches, 200G Cassini NICs (ALCF Aurora docs)"),
 }
 
-# device_kind substring (lower case, checked in order) -> default link per level. NICs are not
-# visible from the device kind, and an NVLink domain spanning nodes is only known to the person who set
-# --nodes_per_rack, so only scale_up has defaults. PCIe and NVL (bridge) variants get none.
-DEVICE_LINKS: tuple[tuple[str, dict[str, str]], ...] = (
-    ("gb300", {"scale_up": "nvlink5"}), ("gb200", {"scale_up": "nvlink5"}),
-    ("b300", {"scale_up": "nvlink5"}), ("b200", {"scale_up": "nvlink5"}),
-    ("gh200", {"scale_up": "nvlink4"}), ("h200", {"scale_up": "nvlink4"}), ("h100", {"scale_up": "nvlink4"}),
-    ("a100", {"scale_up": "nvlink3"}),
-)
+# NVLink per device kind comes from the GPU kinds table (microbench.target.gpu_kinds: exact CUDA names first,
+# then the kind's short name as a substring, longest first so "gh200" wins over "h200"). NICs are not visible
+# from the device kind, and an NVLink domain spanning nodes is only known from the kind (NVL72 racks) or to
+# the person who set --nodes_per_rack. PCIe and NVL (bridge) variants get no NVLink default.
 _NO_NVLINK_DEFAULT = ("pcie", " nvl")
+
+
+def _kind_links(device_kind: str) -> dict[str, str]:
+  kind = gpu_kinds.lookup(device_kind)
+  if kind is None:
+    lower = device_kind.lower()
+    named = sorted((k for k in gpu_kinds.kinds().values() if k.nvlink), key=lambda k: -len(k.name))
+    kind = next((k for k in named if k.name in lower), None)
+  if kind is None or not kind.nvlink:
+    return {}
+  return {"scale_up": kind.nvlink, **({"rack_scale": kind.rack_nvlink} if kind.rack_nvlink else {})}
+
 
 # Which level each mesh axis crosses (meshes.topology's rack x node x gpu), inner to outer.
 AXIS_LEVEL = {"gpu": "scale_up", "node": "rack_scale", "rack": "scale_out"}
@@ -94,13 +103,9 @@ def parse(text: str | None) -> dict[str, LevelPeak]:
 def resolve(device_kind: str, overrides: Mapping[str, LevelPeak] | None = None) -> dict[str, LevelPeak]:
   """Peaks per level for this device kind, with `overrides` (from --link_peaks) taking precedence."""
   peaks: dict[str, LevelPeak] = {}
-  kind = device_kind.lower()
-  if not any(s in kind for s in _NO_NVLINK_DEFAULT):
-    for key, links in DEVICE_LINKS:
-      if key in kind:
-        for level, link in links.items():
-          peaks[level] = LevelPeak(LINKS[link][0], link, f"default for {device_kind}")
-        break
+  if not any(s in device_kind.lower() for s in _NO_NVLINK_DEFAULT):
+    for level, link in _kind_links(device_kind).items():
+      peaks[level] = LevelPeak(LINKS[link][0], link, f"default for {device_kind}")
   peaks.update(overrides or {})
   return peaks
 

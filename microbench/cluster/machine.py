@@ -7,6 +7,7 @@ from typing import Any
 
 from meshes.mesh import build_mesh, ordered_devices
 from meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
+from microbench.target import compile_only, gpu_kinds
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -67,6 +68,25 @@ def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topo
     topology, _ = topology_from_hosts(device_hosts, nodes_per_rack)
     note = f"topology {topology} from {len(hosts)} process(es) on {topology.total_nodes} host(s)"
   return topology, build_mesh(topology, devices), note
+
+
+def resolve_target(kind: str, topology: Topology | None, nodes_per_rack: int | None):
+  """(topology, target, mesh, note) for compile-only devices of GPU kind `kind`: the topology as given, or one
+  node of the kind's usual size (an NVL72 kind: one rack of 18 trays x 4). Raises TopologyError, TargetError
+  or KindError with a one-line message."""
+  spec = gpu_kinds.target(kind)
+  if topology is None:
+    per_rack = nodes_per_rack or spec.nodes_per_rack
+    topology = Topology(racks=1, nodes=per_rack, gpus=spec.gpus_per_node)
+    note = f"topology {topology} (one {'rack' if per_rack > 1 else 'node'} of {spec.title}; set --topology to change)"
+  else:
+    note = f"topology {topology} from --topology"
+  if nodes_per_rack and topology.racks * topology.nodes % nodes_per_rack:
+    raise TopologyError(f"--nodes_per_rack={nodes_per_rack} must divide the {topology.total_nodes} nodes")
+  if nodes_per_rack:
+    topology = Topology(racks=topology.total_nodes // nodes_per_rack, nodes=nodes_per_rack, gpus=topology.gpus)
+  target = compile_only.make_target(kind, topology.total_nodes, topology.gpus)
+  return topology, target, build_mesh(topology, list(target.devices)), note
 
 
 def describe(mesh, hosts: list[str]) -> dict[str, Any]:

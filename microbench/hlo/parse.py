@@ -28,6 +28,8 @@ class HloCollective:
   element_types: tuple[str, ...] = ()  # of the result (outputs only, for async -start forms)
   elements: int = 0                    # result elements per device, summed over tuple parts
   computation: str = ""                # the computation the instruction sits in
+  emitted: str = ""                    # the opcode as compiled: `all-reduce-start` on GPU, `all-reduce` on CPU
+  sync: bool | None = None             # an async start XLA:GPU runs synchronously (`"is_sync":true`); None: no say
 
 
 def _parse_list_of_lists(text: str) -> tuple[tuple[int, ...], ...]:
@@ -97,28 +99,43 @@ def instructions(hlo_text: str) -> list[Instruction]:
   return out
 
 
+def module_devices(hlo_text: str) -> int | None:
+  """Devices the module runs on, from its header (`num_partitions=16`), None when the text has no header."""
+  found = [int(v) for v in re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", hlo_text.split("\n", 1)[0])]
+  return max(found) if found and hlo_text.startswith("HloModule") else None
+
+
 def find_collectives(hlo_text: str) -> list[HloCollective]:
+  """Every collective instruction with its groups; `replica_groups={}` (XLA's "all devices") is expanded to
+  the module's devices when its header says how many there are."""
   out = []
   where = {}
   for comp in computations(hlo_text).values():
     for line in comp.lines:
       where[line] = comp.name
+  everyone = module_devices(hlo_text)
   for ins in instructions(hlo_text):
     op, rest, line = ins.op, ins.rest, ins.line
     if op == "collective-permute":
       groups = source_target_pairs(rest)
     else:
       groups = replica_groups(rest)
-    types, elements = result_arrays(ins.type_text, ins.async_start and op in _PAIRED_STARTS)
-    out.append(HloCollective(op, groups, line.strip(), tuple(types), elements, where.get(line, "")))
+      if not groups and everyone:
+        groups = (tuple(range(everyone)),)
+    types, elements = result_arrays(ins.type_text, op if ins.async_start else None)
+    sync = re.search(r'"is_sync"\s*:\s*(true|false)', rest)
+    out.append(HloCollective(op, groups, line.strip(), tuple(types), elements, where.get(line, ""),
+                             op + ("-start" if ins.async_start else ""),
+                             None if sync is None else sync.group(1) == "true"))
   return out
 
 
-_CONTEXT = ("u32", "s32")  # async -start tuples end with scalar context values
-# Async starts whose result is (operands, outputs[, contexts]); all-reduce-start returns its outputs only.
-_PAIRED_STARTS = ("all-gather", "collective-permute")
-
-
+# What an async `-start` returns, as XLA:GPU prints it: all-reduce-start its outputs only (`bf16[N]`, or a
+# tuple of outputs when combined); every other start a tuple whose element 1 holds the outputs:
+# all-gather `(operand, output)`, collective-permute `(operand, output, u32[], u32[])`, reduce-scatter,
+# all-to-all and collective-broadcast `((operands), output)`, combined ones `((operands...), (outputs...))`;
+# copy-start `(destination, source, u32[])` (element 0).
+_OUTPUTS_WHOLE = ("all-reduce",)
 def source_target_pairs(rest: str) -> tuple[tuple[int, ...], ...]:
   """A collective-permute's (source, target) pairs (the text after its opcode)."""
   pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
@@ -139,26 +156,44 @@ def replica_groups(rest: str) -> tuple[tuple[int, ...], ...]:
   return _parse_list_of_lists(gm.group(1))
 
 
-def _result(type_text: str, paired: bool) -> list[tuple[str, str]]:
-  """(element type, dims) of each array of a result type; `paired`: an async -start returning (operands,
-  outputs[, scalar contexts]), of which only the outputs count."""
-  arrays = _ARRAY.findall(type_text)
-  if paired and type_text.lstrip().startswith("("):
-    while arrays and arrays[-1][0] in _CONTEXT and arrays[-1][1] == "":
-      arrays.pop()
-    if len(arrays) >= 2 and len(arrays) % 2 == 0:
-      arrays = arrays[len(arrays) // 2:]
-  return arrays
+def split_tuple(type_text: str) -> list[str] | None:
+  """The top-level elements of a tuple type `(a, (b, c), d[])`, None when the text is not a tuple."""
+  text = type_text.strip()
+  if not text.startswith("("):
+    return None
+  parts, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+      if depth == 0:
+        parts.append(text[start:i])
+        break
+    elif ch == "," and depth == 1:
+      parts.append(text[start:i])
+      start = i + 1
+  return [q.strip() for q in parts if q.strip()]
+
+
+def _result(type_text: str, async_op: str | None) -> list[tuple[str, str]]:
+  """(element type, dims) of each array of a result type; `async_op`: the opcode (without `-start`) of an
+  async start, of whose result only the outputs count (see _OUTPUTS_WHOLE above)."""
+  if async_op and async_op not in _OUTPUTS_WHOLE:
+    parts = split_tuple(type_text)
+    if parts and len(parts) >= 2:
+      type_text = parts[0] if async_op == "copy" else parts[1]
+  return _ARRAY.findall(type_text)
 
 
 def _count(dims: str) -> int:
   return int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
 
 
-def result_arrays(type_text: str, async_start: bool = False) -> tuple[list[str], int]:
-  """Element types and total element count of an instruction's result; `async_start`: a (operands,
-  outputs[, contexts]) result, of which only the outputs count."""
-  arrays = _result(type_text, async_start)
+def result_arrays(type_text: str, async_op: str | None = None) -> tuple[list[str], int]:
+  """Element types and total element count of an instruction's result; `async_op`: the opcode of an async
+  start (`all-gather` for `all-gather-start`), of whose result only the outputs count."""
+  arrays = _result(type_text, async_op)
   return [dt for dt, _ in arrays], sum(_count(dims) for _, dims in arrays)
 
 
@@ -166,7 +201,7 @@ def moved_parts(ins: Instruction) -> list[tuple[str, int]]:
   """(element type, bytes) of each array a collective delivers per device: its result, outputs only for the
   async starts that also return their operands (the one convention the fingerprint and the derived proxies
   count bytes by)."""
-  arrays = _result(ins.type_text, ins.async_start and ins.op in _PAIRED_STARTS)
+  arrays = _result(ins.type_text, ins.op if ins.async_start else None)
   return [(dt, _BYTES[dt] * _count(dims)) for dt, dims in arrays if dt in _BYTES]
 
 

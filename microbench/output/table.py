@@ -12,7 +12,26 @@ UNITS = _ROW.format(bytes="", count="(elements)", dtype="", scope="", group_size
                     time="median", algbw="(GB/s)", busbw="(GB/s)", wrong="", flag="")
 
 
+def _compiled_row(r: dict[str, Any]) -> str:
+  """A point compiled for a GPU target: the op as emitted, how often it runs where, memory and fit."""
+  ops = "/".join(r.get("op_emitted", [])) or "?"
+  where = ""
+  if r.get("trip_count"):
+    where = f" x{r['iters']} ({r['loop_reps']} in a loop of {r['trip_count']} known trips)"
+  mem = r.get("memory_bytes")
+  text = f"compiled: {ops}{where}, wire {r.get('wire_dtype', '?')}"
+  if mem is not None:
+    text += f", {mem / 2**20:.1f} MiB/device"
+  if r.get("fits") is False:
+    text += (f"  DOES NOT FIT ({r['usable_bytes'] / 2**30:.1f} GiB usable of {r['device_memory_bytes'] / 2**30:.1f}"
+             " GiB)")
+  return (f"{r['bytes']:>12} {r['count']:>11} {r['dtype']:>8} {r['scope']:>10} {r['group_size']:>4} "
+          f"{r['num_groups']:>4}  {text}")
+
+
 def format_row(r: dict[str, Any]) -> str:
+  if r["status"] == "compiled":
+    return _compiled_row(r)
   if r["status"] != "ok":
     return (f"{r.get('bytes', r.get('requested_bytes', '')):>12} {r.get('count', ''):>11} {r['dtype']:>8} "
             f"{r['scope']:>10} {r.get('group_size', ''):>4} {r.get('num_groups', ''):>4}  "

@@ -17,6 +17,7 @@ import numpy as np
 
 from meshes import parallelism as par
 from meshes.topology import Topology, TopologyError, parse_topology
+from microbench.target import compile_only
 from models import ModelError, ModelSpec, context, get_model, pipeline, pipeline_schedule
 from models.layers import CONTEXT_IMPLS, REMAT_POLICIES, Execution
 from models.train_step import Trainer, variable_spec
@@ -63,6 +64,7 @@ class TrainConfig:
   profile_steps: int = 0
   topology: str | None = None
   nodes_per_rack: int | None = None
+  target: str | None = None  # compile for this GPU kind's compile-only devices (implies compile_only)
   write: bool = True  # False: no files (library use, tests)
   # XLA options for the step's compile (library use: tests turn LLVM optimisation off to compile faster;
   # SPMD partitioning, which decides the collectives and shardings, is the same).
@@ -220,6 +222,12 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
   if devices is not None:
     devices = list(devices)
     topology, note = Topology(1, 1, len(devices)), f"{len(devices)} given devices as one node"
+  elif cfg.target:
+    try:
+      topology, _, machine_mesh, note = machine.resolve_target(cfg.target, topology, cfg.nodes_per_rack)
+    except (TopologyError, compile_only.TargetError, compile_only.KindError) as e:
+      raise ConfigError(str(e)) from None
+    devices = list(machine_mesh.devices.flat)
   else:
     try:
       topology, machine_mesh, note = machine.resolve(topology, cfg.nodes_per_rack)

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import time
 from typing import Any
@@ -22,6 +23,7 @@ import numpy as np
 from meshes import parallelism as par
 from microbench.cluster import environment, machine
 from microbench.output.train_log import TrainLog
+from microbench.target import compile_only, gpu_kinds
 from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from models import moe, pipeline, pipeline_schedule
@@ -75,9 +77,16 @@ def format_table(summary: dict[str, Any]) -> str:
   rows.append(("memory per device", f"{_mib(s['memory_per_device_bytes'])} (args {_mib(m['argument_bytes'])},"
                                     f" temp {_mib(m['temp_bytes'])}, out {_mib(m['output_bytes'])},"
                                     f" aliased {_mib(m['alias_bytes'])})"))
-  if s.get("device_memory_bytes"):
+  if s.get("usable_bytes"):  # a compile target: against what JAX gets of the device
+    rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
+                         f" {_mib(s['usable_bytes'])} usable ({s['mem_fraction']:.0%} of {_mib(s['device_memory_bytes'])}),"
+                         f" margin {_mib(s['margin_bytes'])}"
+                         + ("" if s["fits"] or not s["fits_whole_device"] else "; fits the whole device")))
+  elif s.get("device_memory_bytes"):
     rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
                          f" {_mib(s['device_memory_bytes'])} per device"))
+  if s.get("attention_compiled"):
+    rows.append(("attention compiled", ", ".join(f"{k} x{v}" for k, v in s["attention_compiled"].items())))
   rows.append(("compile time", f"{s['compile_time_s']:.2f} s"))
   if s.get("pipeline_schedule"):
     text = (f"{s['pipeline_schedule']}, {s['pipeline_stages']} stages x {s['microbatches']} microbatches"
@@ -129,16 +138,13 @@ class Result:
   state: Any
 
 
-def _memory(compiled) -> dict[str, int]:
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except
-    m = None
-  if m is None:
-    return {"argument_bytes": 0, "output_bytes": 0, "temp_bytes": 0, "alias_bytes": 0, "code_bytes": 0}
-  return {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-          "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
-          "code_bytes": int(m.generated_code_size_in_bytes)}
+def attention_compiled(hlo_text: str) -> dict[str, int]:
+  """cuDNN fused-attention custom calls in the compiled program, by target (`__cudnn$fmhaSoftmax`, its
+  backward ...): what ran as attention, as compiled, not what was asked for ({} where XLA's own ops run it)."""
+  out: dict[str, int] = {}
+  for name in re.findall(r'custom_call_target="(__cudnn\$fmha[\w$]*)"', hlo_text):
+    out[name] = out.get(name, 0) + 1
+  return dict(sorted(out.items()))
 
 
 def _hlo_flops(compiled, loops: list[dict[str, Any]]) -> float | None:
@@ -272,15 +278,22 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   t0 = time.perf_counter()
   compiled = trainer.compile_step(cfg.compiler_options)
   compile_s = time.perf_counter() - t0
-  memory = _memory(compiled)
-  report = comm_fingerprint.comm_report(compiled.as_text(), n)
+  memory = compile_only.memory(compiled) or dict.fromkeys(
+      ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
+  hlo_text = compiled.as_text()
+  report = comm_fingerprint.comm_report(hlo_text, n)
   comm, comm_loops = report["ops"], report["loops"]
   comm_note = None
   if device.platform == "cpu" and cfg.dtype == "bfloat16" and comm:
     comm_note = ("on CPU, XLA's float-normalization-bf16 pass widens bfloat16 collectives to float32; the"
                  " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
   per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
-  memory_limit = machine.device_memory(device)
+  target = gpu_kinds.target(cfg.target) if cfg.target else None
+  memory_limit = target.memory_bytes if target else machine.device_memory(device)
+  # A target's fit is against what JAX gets of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 75%); a
+  # real device's limit is already the allocator's.
+  fit = (compile_only.fit(per_device, memory_limit) if target
+         else {"fits": None if memory_limit is None else per_device <= memory_limit})
   item = spec.item_name
   items = spec.items_per_step(cfg.batch)
   flops = spec.step_flops(cfg.batch)
@@ -290,16 +303,17 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "parallelism": str(p.parallelism), "mesh": mesh_text, "placement": p.placement, "topology": str(p.topology),
       "devices": n, "device_kind": device.device_kind, "batch": cfg.batch, "seq_len": spec.seq_len,
       "dtype": cfg.dtype, "grad_accum": cfg.grad_accum, "remat": cfg.remat, "scan_layers": cfg.scan_layers,
-      "attention": p.attention, "attention_note": p.attention_note, "item": item, f"{item}_per_step": items,
+      "attention": p.attention, "attention_note": p.attention_note,
+      "attention_compiled": attention_compiled(hlo_text), "item": item, f"{item}_per_step": items,
       "flops_per_step": flops, "flops_per_step_full_attention": flops_full, "flops_formula": spec.flops_formula,
       "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
-      "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit,
-      "fits": None if memory_limit is None else per_device <= memory_limit,
+      "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit, **fit,
+      "target": cfg.target,
       "compile_time_s": compile_s, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
       **_strategy_fields(p, spec, device),
   }
 
-  if cfg.compile_only:
+  if cfg.compile_only or cfg.target:
     summary = {"kind": "compile", **common}
     out.line(summary)
     out.text("compile", _markdown({k: v for k, v in summary.items() if k != "kind"}))

@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from microbench.target import gpu_kinds
+
 
 @dataclasses.dataclass(frozen=True)
 class Peak:
@@ -38,35 +40,12 @@ class PeakEntry:
   cite: str
 
 
-# Dense figures are half the datasheets' "with sparsity" ones. Device names: what CUDA reports
+# Dense figures (half the datasheets' "with sparsity" ones), one entry per kind of the GPU kinds table
+# (microbench/target/specs/*.toml, each file naming its source). Device names: what CUDA reports
 # (cudaDeviceProp.name), which is JAX's device_kind on NVIDIA GPUs.
-PEAK_TABLE: tuple[PeakEntry, ...] = (
-    PeakEntry(("NVIDIA H100 80GB HBM3",), "NVIDIA H100 SXM", 989.0, 494.5,
-              "NVIDIA H100 datasheet: H100 SXM BF16 1,979 / TF32 989 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA H100 PCIe",), "NVIDIA H100 PCIe", 756.0, 378.0,
-              "NVIDIA H100 datasheet: H100 PCIe BF16 1,513 / TF32 756 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA H100 NVL",), "NVIDIA H100 NVL", 835.0, 417.5,
-              "NVIDIA H100 datasheet: H100 NVL BF16 1,671 / TF32 835 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA H200",), "NVIDIA H200 (SXM)", 989.0, 494.5,
-              "NVIDIA H200 datasheet: H200 SXM BF16 1,979 / TF32 989 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA H200 NVL",), "NVIDIA H200 NVL", 835.0, 417.5,
-              "NVIDIA H200 datasheet: H200 NVL BF16 1,671 / TF32 835 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e"), "NVIDIA GH200", 989.0, 494.5,
-              "NVIDIA GH200 datasheet: H100-class GPU, BF16 1,979 / TF32 989 TFLOPS with sparsity"),
-    PeakEntry(("NVIDIA B200",), "NVIDIA B200 (HGX)", 2250.0, 1100.0,
-              "NVIDIA HGX B200 specifications: per GPU FP16/BF16 4.5 / TF32 2.2 PFLOPS with sparsity"),
-    PeakEntry(("NVIDIA GB200",), "NVIDIA GB200 (NVL72)", 2500.0, 1250.0,
-              "NVIDIA GB200 NVL72 specifications: per GPU FP16/BF16 5 / TF32 2.5 PFLOPS with sparsity"),
-    PeakEntry(("NVIDIA B300", "NVIDIA B300 SXM6 AC"), "NVIDIA B300 (HGX)", 2250.0, 1100.0,
-              "NVIDIA HGX B300 specifications: per GPU FP16/BF16 4.5 / TF32 2.2 PFLOPS with sparsity"),
-    PeakEntry(("NVIDIA GB300",), "NVIDIA GB300 (NVL72)", 2500.0, 1250.0,
-              "NVIDIA GB300 NVL72 specifications: per GPU FP16/BF16 5 / TF32 2.5 PFLOPS with sparsity"),
-    PeakEntry(("NVIDIA A100-SXM4-40GB", "NVIDIA A100-SXM4-80GB", "NVIDIA A100-PCIE-40GB", "NVIDIA A100 80GB PCIe"),
-              "NVIDIA A100", 312.0, 156.0,
-              "NVIDIA A100 datasheet: BF16 312 / TF32 156 TFLOPS dense (624 / 312 with sparsity)"),
-    PeakEntry(("AMD Instinct MI250X", "AMD Instinct MI250X/MI250"), "AMD MI250X, one GCD (half a module)", 191.5,
-              47.9, "AMD MI250X datasheet: BF16 383 / FP32 matrix 95.7 TFLOPS per module (two GCDs)"),
-)
+PEAK_TABLE: tuple[PeakEntry, ...] = tuple(
+    PeakEntry(k.device_kinds, k.title, k.bf16_tflops, k.tf32_tflops, k.peak_cite)
+    for k in gpu_kinds.kinds().values())
 _BY_KIND = {kind: e for e in PEAK_TABLE for kind in e.kinds}
 
 

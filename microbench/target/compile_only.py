@@ -1,0 +1,117 @@
+"""XLA:GPU compile-only devices: a GPU cluster's shape on a machine without a GPU.
+
+JAX's deviceless ahead-of-time path (`jax.experimental.topologies.get_topology_desc(platform="cuda", ...)`)
+returns devices of a described GPU kind, laid out as hosts of G GPUs, that programs can be lowered and
+compiled for but never run. It needs JAX's CUDA PJRT plugin (the `gpu-compile` extra); no driver, no GPU.
+Compiled programs give XLA:GPU's own optimised HLO (`as_text()`) and its memory analysis per device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Any
+
+from microbench.target.gpu_kinds import GpuKind, KindError, target
+
+INSTALL_HINT = "pip install -e '.[gpu-compile]'"
+
+
+class TargetError(RuntimeError):
+  """The compile-only target can't be set up; the message says what to do."""
+
+
+def plugin_available() -> bool:
+  """Whether JAX's CUDA PJRT plugin is installed (it is what compiles for GPUs here)."""
+  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def require_plugin() -> None:
+  if not plugin_available():
+    raise TargetError(f"--target compiles with XLA:GPU, which needs JAX's CUDA plugin: {INSTALL_HINT}"
+                      " (about 0.5 GB, no GPU or driver needed)")
+
+
+def keep_default_backend_on_cpu() -> None:
+  """With the CUDA plugin installed and no GPU, JAX would still try CUDA first: the default backend stays
+  the CPU (call before JAX starts its backends; a user's JAX_PLATFORMS is respected)."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  kind: GpuKind
+  hosts: int
+  gpus_per_host: int
+  devices: tuple[Any, ...]  # compile-only devices, ordered by (host, id)
+
+  @property
+  def memory_bytes(self) -> int:
+    return int(self.kind.memory_bytes or 0)
+
+  def describe(self) -> dict[str, Any]:
+    """meta.json's and every record's view of the target."""
+    return {"kind": self.kind.name, "title": self.kind.title, "device_kind": self.kind.device_kind,
+            "hosts": self.hosts, "gpus_per_host": self.gpus_per_host, "devices": len(self.devices),
+            "memory_bytes": self.memory_bytes, "spec_file": os.path.basename(self.kind.source_file)}
+
+
+def make_target(name: str, hosts: int, gpus_per_host: int) -> Target:
+  """Compile-only devices of kind `name` on `hosts` hosts of `gpus_per_host` GPUs (raises KindError for an
+  unknown kind, TargetError without the plugin)."""
+  kind = target(name)
+  require_plugin()
+  keep_default_backend_on_cpu()
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    topo = topologies.get_topology_desc(platform="cuda", target_config=kind.target_config(),
+                                        topology=f"1x{hosts}x{gpus_per_host}")
+  except Exception as e:  # pylint: disable=broad-except
+    raise TargetError(f"XLA:GPU could not describe {hosts} x {gpus_per_host} {kind.title}: "
+                      f"{str(e).strip().splitlines()[0][:300]}") from None
+  devices = tuple(sorted(topo.devices, key=lambda d: (d.process_index, d.id)))
+  return Target(kind, hosts, gpus_per_host, devices)
+
+
+def memory(compiled) -> dict[str, int] | None:
+  """XLA's per-device memory analysis of a compiled program: arguments, outputs, temporaries, aliased bytes
+  and the total the device must hold at once (arguments + outputs - aliased + temporaries + code)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  if m is None:
+    return None
+  args, out = int(m.argument_size_in_bytes), int(m.output_size_in_bytes)
+  alias, temp = int(m.alias_size_in_bytes), int(m.temp_size_in_bytes)
+  code = int(m.generated_code_size_in_bytes)
+  return {"argument_bytes": args, "output_bytes": out, "alias_bytes": alias, "temp_bytes": temp,
+          "code_bytes": code, "total_bytes": args + out - alias + temp + code}
+
+
+DEFAULT_MEM_FRACTION = 0.75  # JAX on GPU preallocates this share of device memory for XLA's allocator
+
+
+def mem_fraction() -> float:
+  """The share of device memory a JAX process on the GPU will use: XLA_PYTHON_CLIENT_MEM_FRACTION as the run
+  would see it, else JAX's default 0.75."""
+  try:
+    value = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+  except ValueError:
+    return DEFAULT_MEM_FRACTION
+  return value if 0 < value <= 1 else DEFAULT_MEM_FRACTION
+
+
+def fit(total_bytes: int, memory_bytes: int) -> dict[str, Any]:
+  """Whether a program needing `total_bytes` per device fits what JAX gets of a device of `memory_bytes`
+  (mem_fraction() of it), with the margin; `fits_whole_device` says whether it would with all of it."""
+  usable = int(memory_bytes * mem_fraction())
+  return {"fits": total_bytes <= usable, "device_memory_bytes": memory_bytes, "usable_bytes": usable,
+          "mem_fraction": mem_fraction(), "margin_bytes": usable - total_bytes,
+          "fits_whole_device": total_bytes <= memory_bytes,
+          "memory_used_pct": 100.0 * total_bytes / usable if usable else None}
+
+
+__all__ = ["Target", "TargetError", "KindError", "make_target", "memory", "fit", "plugin_available",
+           "INSTALL_HINT"]

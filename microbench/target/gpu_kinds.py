@@ -1,0 +1,121 @@
+"""The GPU kinds the toolkit knows, one data file each under `specs/` (facts with their sources).
+
+A kind gives the device names CUDA reports for it (JAX's `device_kind`, matched exactly), its NVLink
+generation (the scale-up link peak; `rack_nvlink` where the NVLink domain spans a rack's nodes), its dense
+bf16 and tf32 peaks (MFU's denominator), the node and rack shape it usually comes in, and, for kinds that can
+be compile targets, an `[xla]` table: the `stream_executor.GpuTargetConfigProto` fields XLA:GPU's compiler
+reads (compute capability, SMs, clocks, memory size and bandwidth, caches, cuDNN version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import tomllib
+from typing import Any
+
+SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuKind:
+  name: str                 # the --target name, e.g. "h100"
+  title: str
+  device_kinds: tuple[str, ...]
+  nvlink: str | None        # link name in microbench.cluster.link_peaks.LINKS (scale_up)
+  rack_nvlink: str | None   # an NVLink domain spanning the rack's nodes (NVL72), else None
+  gpus_per_node: int
+  nodes_per_rack: int
+  bf16_tflops: float
+  tf32_tflops: float
+  peak_cite: str
+  xla: dict[str, Any] | None  # the compiler's device description; None: not a compile target
+  source_file: str
+
+  @property
+  def memory_bytes(self) -> int | None:
+    return int(self.xla["memory_bytes"]) if self.xla else None
+
+  @property
+  def device_kind(self) -> str:
+    """The name a compile-only device of this kind reports (the first CUDA name)."""
+    return self.device_kinds[0]
+
+  def target_config(self) -> str:
+    """The GpuTargetConfigProto text XLA:GPU compiles against (raises KindError for a kind without one)."""
+    if not self.xla:
+      raise KindError(f"GPU kind {self.name!r} has no compiler description (it is known for its peaks only);"
+                      f" compile targets: {', '.join(targets())}")
+    x = self.xla
+    major, minor = x["compute_capability"]
+    dnn = x["cudnn"]
+    info = {
+        "threads_per_block_limit": 1024, "threads_per_warp": 32,
+        "shared_memory_per_block": x["shared_memory_per_block"],
+        "shared_memory_per_block_optin": x["shared_memory_per_block_optin"],
+        "shared_memory_per_core": x["shared_memory_per_sm"], "threads_per_core_limit": x["threads_per_sm"],
+        "core_count": x["sm_count"], "fpus_per_core": x["fp32_cores_per_sm"],
+        "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535, "block_dim_limit_z": 65535,
+        "memory_bandwidth": x["memory_bandwidth"], "l2_cache_size": x["l2_cache_bytes"],
+        "clock_rate_ghz": x["clock_ghz"], "device_memory_size": x["memory_bytes"],
+        "registers_per_core_limit": x["registers_per_sm"], "registers_per_block_limit": x["registers_per_block"],
+    }
+    body = "\n".join(f"  {k}: {v}" for k, v in info.items())
+    return (f"gpu_device_info {{\n  cuda_compute_capability {{ major: {major} minor: {minor} }}\n{body}\n}}\n"
+            f'platform_name: "CUDA"\n'
+            f"dnn_version_info {{ major: {dnn[0]} minor: {dnn[1]} patch: {dnn[2]} }}\n"
+            f'device_description_str: "{self.device_kind}"\n')
+
+
+class KindError(ValueError):
+  """An unknown kind, or one that can't be a compile target; the message lists the allowed ones."""
+
+
+_FIELDS = ("name", "title", "device_kinds", "gpus_per_node", "nodes_per_rack", "bf16_tflops", "tf32_tflops",
+           "peak_cite")
+
+
+@functools.cache
+def kinds() -> dict[str, GpuKind]:
+  """Every kind in specs/, by name."""
+  out = {}
+  for fname in sorted(os.listdir(SPECS)):
+    if not fname.endswith(".toml"):
+      continue
+    path = os.path.join(SPECS, fname)
+    with open(path, "rb") as f:
+      d = tomllib.load(f)
+    missing = [k for k in _FIELDS if k not in d]
+    if missing:
+      raise ValueError(f"{path}: missing {', '.join(missing)}")
+    out[d["name"]] = GpuKind(
+        name=d["name"], title=d["title"], device_kinds=tuple(d["device_kinds"]), nvlink=d.get("nvlink"),
+        rack_nvlink=d.get("rack_nvlink"), gpus_per_node=int(d["gpus_per_node"]),
+        nodes_per_rack=int(d["nodes_per_rack"]), bf16_tflops=float(d["bf16_tflops"]),
+        tf32_tflops=float(d["tf32_tflops"]), peak_cite=d["peak_cite"], xla=d.get("xla"), source_file=path)
+  return out
+
+
+def targets() -> tuple[str, ...]:
+  """The kinds XLA:GPU can compile for (those with an [xla] description)."""
+  return tuple(k for k, v in kinds().items() if v.xla)
+
+
+def target(name: str) -> GpuKind:
+  """The compile target called `name` (case-insensitive); KindError lists the targets otherwise."""
+  kind = kinds().get(name.strip().lower())
+  if kind is None or not kind.xla:
+    raise KindError(f"unknown --target={name!r}: choose one of {', '.join(targets())}")
+  return kind
+
+
+@functools.cache
+def by_device_kind() -> dict[str, GpuKind]:
+  """CUDA device name (exact) -> kind."""
+  return {dk: k for k in kinds().values() for dk in k.device_kinds}
+
+
+def lookup(device_kind: str) -> GpuKind | None:
+  """The kind whose CUDA device name is exactly `device_kind` (surrounding spaces ignored)."""
+  return by_device_kind().get(device_kind.strip())
