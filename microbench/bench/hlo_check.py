@@ -10,8 +10,8 @@ checked against what it must be:
 - the op is present over exactly the scope's groups (or ring pairs), in group-rank order where the output
   order depends on it (all-gather, reduce-scatter, all-to-all, collective-broadcast), and no other
   collective is;
-- its element type is the dtype's, or a wider one the platform runs it in (XLA on CPU runs 16-bit
-  collectives as float32): that is reported as the wire dtype, never passed silently;
+- its element type is the dtype's, or on CPU a wider one XLA runs it in (16-bit collectives as float32):
+  that is reported as the wire dtype, never passed silently; on GPUs the dtype must stay as asked;
 - its per-device element count is the collective's output count;
 - it executes exactly the intended number of times per call, counted through while loops by their
   `known_trip_count` (a loop without one fails), and, in a timed loop program, inside the loop;
@@ -49,6 +49,7 @@ class Expectation:
   in_loop: bool = False    # the executions must come from a while loop with a known trip count
   outside_max: int = 0     # executions allowed outside loops (a peeled repetition) when in_loop
   copy_limit: int | None = None  # fail on any copy of at least this many elements
+  widen_ok: bool = True    # the platform may run 16-bit collectives in float32 (XLA:CPU); never on GPUs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   wire = set()
   for c in matches:
     for t in c.element_types:
-      if t != asked and t not in WIDER.get(asked, ()):
+      if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())):
         raise HloMismatch(f"{exp.op} runs on {t} data, the benchmark asked for {exp.dtype} ({asked}): {c.text[:200]}")
       wire.add(t)
     if c.elements != exp.elements:

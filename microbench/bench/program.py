@@ -141,7 +141,8 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       op=op, groups=scope.groups, ordered=coll.ordered_groups and op != "all-reduce", dtype=dtype,
       elements=coll.out_count(count, n), executions=reps,
       in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
-      copy_limit=min(coll.in_count(count, n), coll.out_count(count, n)) if timed else None)
+      copy_limit=min(coll.in_count(count, n), coll.out_count(count, n)) if timed else None,
+      widen_ok=platform == "cpu")
 
 
 def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str]:

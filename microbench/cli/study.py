@@ -164,13 +164,31 @@ def _proxy() -> int:
   return 0
 
 
+def _target_devices(kind: str, gpus: int) -> list:
+  """`gpus` compile-only devices of GPU kind `kind`, in hosts of the kind's usual node size."""
+  from microbench.target import compile_only, gpu_kinds  # pylint: disable=g-import-not-at-top
+  try:
+    per_host = min(gpus, gpu_kinds.target(kind).gpus_per_node)
+    if gpus % per_host:
+      raise app.UsageError(f"--gpus={gpus} is not a whole number of {kind} nodes of {per_host} GPUs")
+    return list(compile_only.make_target(kind, gpus // per_host, per_host).devices)
+  except (compile_only.TargetError, compile_only.KindError) as e:
+    raise app.UsageError(str(e)) from None
+
+
 def _schedule_report() -> int:
   """Bytes per iteration of a proxy (and, with --proxy_from, of the hand-written one for the same strategy,
-  with the difference), without running anything; --proxy_from compiles the step on virtual CPU devices."""
+  with the difference), without running anything; --proxy_from compiles the step on virtual CPU devices, or
+  with --target for that GPU kind's compile-only devices (XLA:GPU's HLO: what the GPUs would move)."""
   from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
   gpus = FLAGS.gpus or 8
   devices = None
-  if FLAGS.proxy_from:
+  if FLAGS.target:
+    if not FLAGS.proxy_from:
+      raise app.UsageError("--target compiles the training step of --proxy_from=MODEL,STRATEGY for the GPU kind;"
+                           " a hand-written proxy has nothing to compile")
+    devices = _target_devices(FLAGS.target, gpus)
+  elif FLAGS.proxy_from:
     from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
     from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
     machine.prepare_cpu_devices(Topology(1, 1, gpus), False)

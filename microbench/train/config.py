@@ -279,6 +279,11 @@ def _cudnn_obstacle(spec: ModelSpec, dtype: str, device: jax.Device, parallelism
     return f"cuDNN attention needs a head dimension that is a multiple of 8 and <= {limit} (this model: {head_dim})"
   if parallelism.axis_sizes.get("context", 1) > 1:
     return "cuDNN attention can't take a sequence-sharded input (context parallelism)"
+  if parallelism.degree("pp") > 1:  # seen compiling for H100: its sharding rule fails inside the pipeline's
+    # partially manual shard_map ("custom_partitioner: ... check_compatible_aval")
+    return "cuDNN attention's custom partitioner fails inside the pipeline's shard_map (pipeline parallelism)"
+  if spec.seq_len % 2:  # JAX's cuDNN path refuses odd lengths when training ("Unsupported sequence length")
+    return f"cuDNN attention's training kernels need an even sequence length (this model: {spec.seq_len})"
   return None
 
 

@@ -88,6 +88,8 @@ def format_table(summary: dict[str, Any]) -> str:
   if s.get("attention_compiled"):
     rows.append(("attention compiled", ", ".join(f"{k} x{v}" for k, v in s["attention_compiled"].items())))
   rows.append(("compile time", f"{s['compile_time_s']:.2f} s"))
+  if s.get("compile_note"):
+    rows.append(("  note", s["compile_note"]))
   if s.get("pipeline_schedule"):
     text = (f"{s['pipeline_schedule']}, {s['pipeline_stages']} stages x {s['microbatches']} microbatches"
             + (f" x {s['virtual_stages']} virtual stages" if s["virtual_stages"] > 1 else "")
@@ -276,7 +278,11 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     say(f"  run folder {run_dir}")
 
   t0 = time.perf_counter()
-  compiled = trainer.compile_step(cfg.compiler_options)
+  compile_note = None
+  if cfg.target:
+    compiled, compile_note = compile_only.compile_for_target(trainer.compile_step, cfg.compiler_options)
+  else:
+    compiled = trainer.compile_step(cfg.compiler_options)
   compile_s = time.perf_counter() - t0
   memory = compile_only.memory(compiled) or dict.fromkeys(
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
@@ -309,7 +315,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
       "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit, **fit,
       "target": cfg.target,
-      "compile_time_s": compile_s, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
+      "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
       **_strategy_fields(p, spec, device),
   }
 

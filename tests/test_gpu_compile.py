@@ -1,0 +1,283 @@
+"""Compiling for GPU clusters without one (`--target`): XLA:GPU's own HLO, checked by the toolkit's checks.
+
+Needs JAX's CUDA PJRT plugin (the `gpu-compile` extra, which .ci/run installs); every test here is skipped
+with that reason when it is absent. Nothing runs on a GPU: the programs are compiled for compile-only devices
+of a described GPU kind (microbench/target/specs) and read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from meshes.mesh import build_mesh
+from meshes.scopes import plan_scopes
+from meshes.topology import AXES, Topology
+from microbench.bench import collectives, hlo_check, program
+from microbench.cluster import link_peaks
+from microbench.target import compile_only, gpu_kinds
+from microbench.train import peaks
+
+needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),
+                                  reason="JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "comm_fingerprints_h100.json")
+
+
+# ------------------------------------------------------------------------------------------------ kinds as data
+
+def test_every_kind_names_its_sources_and_targets_have_a_compiler_description():
+  kinds = gpu_kinds.kinds()
+  assert {"a100", "h100", "h200", "b200", "gb200", "b300", "gb300"} <= set(gpu_kinds.targets())
+  for kind in kinds.values():
+    text = open(kind.source_file, encoding="utf-8").read()
+    assert "Source" in text, kind.source_file
+    if kind.xla:
+      cfg = kind.target_config()
+      assert f"core_count: {kind.xla['sm_count']}" in cfg and f'"{kind.device_kind}"' in cfg
+  assert gpu_kinds.target("gb200").nodes_per_rack * gpu_kinds.target("gb200").gpus_per_node == 72
+  with pytest.raises(gpu_kinds.KindError, match="choose one of a100"):
+    gpu_kinds.target("h900")
+  with pytest.raises(gpu_kinds.KindError, match="choose one of"):
+    gpu_kinds.target("mi250x")  # known for its peak only
+
+
+def test_link_and_mfu_peaks_come_from_the_kinds_table():
+  h200 = gpu_kinds.target("h200")
+  assert peaks.table_peak("NVIDIA H200", "bfloat16").tflops == h200.bf16_tflops
+  assert peaks.table_peak("NVIDIA H200 NVL", "bfloat16").tflops == gpu_kinds.kinds()["h200-nvl"].bf16_tflops
+  got = link_peaks.resolve("NVIDIA GB200")
+  assert got["scale_up"].link == "nvlink5" and got["rack_scale"].link == "nvlink5"
+  assert link_peaks.resolve("NVIDIA GH200 480GB")["scale_up"].link == "nvlink4"
+  assert link_peaks.resolve("NVIDIA H100 PCIe") == {}
+
+
+def test_without_the_plugin_the_target_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(compile_only, "plugin_available", lambda: False)
+  with pytest.raises(compile_only.TargetError, match=r"pip install -e '\.\[gpu-compile\]'"):
+    compile_only.make_target("h100", 1, 8)
+
+
+def test_fit_is_against_what_jax_gets_of_the_device(monkeypatch):
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  f = compile_only.fit(70 * 2**30, 80 * 2**30)
+  assert f["fits"] is False and f["fits_whole_device"] is True and f["usable_bytes"] == 60 * 2**30
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+  assert compile_only.fit(70 * 2**30, 80 * 2**30)["fits"] is True
+
+
+# ------------------------------------------------------------------------------------------------ the sweep
+
+@needs_plugin
+def test_sweep_compiles_every_collective_and_scope_for_h100_with_every_check_passing(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--target=h100", "--topology=nodes:2,gpus:8", "--dtype=bfloat16", "--min_bytes=1M",
+               "--max_bytes=1M", f"--outdir={out}"], timeout=300)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+  assert r.stderr.strip() == "", r.stderr[-1000:]  # no CUDA-stub chatter, no traceback
+  recs = [json.loads(line) for line in open(out / "results.jsonl")]
+  assert {(x["collective"], x["scope"]) for x in recs} == {
+      (c, s) for c in collectives.NAMES for s in ("scale_up", "scale_out", "global")}
+  for x in recs:
+    assert x["status"] == "compiled" and x["target"] == "h100", x
+    assert all(op.endswith("-start") for op in x["op_emitted"]), x["op_emitted"]  # async on GPU
+    assert x["wire_dtype"] == "bfloat16"
+    assert x["trip_count"] == x["iters"] // 2 and x["loop_reps"] == x["iters"]  # every repetition in the loop
+    assert x["fits"] is True and 0 < x["memory_bytes"] < 16 * 2**20
+  meta = json.load(open(out / "meta.json"))
+  assert meta["target"]["kind"] == "h100" and meta["target"]["devices"] == 16
+  assert "compiled for NVIDIA H100" in r.stdout
+
+
+@needs_plugin
+def test_a_point_too_large_for_the_device_is_reported_as_such(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--target=a100", "--topology=nodes:1,gpus:8", "--collectives=all_reduce", "--scopes=scale_up",
+               "--min_bytes=1M", "--max_bytes=32G", "--step_factor=32768", f"--outdir={out}"], timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  recs = {x["bytes"]: x for x in map(json.loads, open(out / "results.jsonl"))}
+  assert recs[2**20]["fits"] is True and recs[32 * 2**30]["fits"] is False
+  assert "DOES NOT FIT" in r.stdout
+
+
+def test_bad_target_is_one_line():
+  r = run_cli(["--target=h900", "--topology=nodes:1,gpus:8"])
+  assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+      f"microbench: error: unknown --target='h900': choose one of {', '.join(gpu_kinds.targets())}"]
+
+
+# ------------------------------------------------------------------------------------- mutations on GPU HLO
+
+@pytest.fixture(scope="module")
+def gpu_mesh():
+  if not compile_only.plugin_available():
+    pytest.skip("JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
+  target = compile_only.make_target("h100", 2, 8)
+  topology = Topology(1, 2, 8)
+  return topology, build_mesh(topology, list(target.devices))
+
+
+def _compile(mesh, f, *specs) -> str:
+  fn = jax.shard_map(f, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs), out_specs=jax.P(AXES),
+                     check_vma=False)
+  return jax.jit(fn, donate_argnums=0).lower(*specs).compile().as_text()
+
+
+def _spec(mesh, count, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct((mesh.size * count,), dtype, sharding=jax.NamedSharding(mesh, jax.P(AXES)))
+
+
+def _expect(topology, scope="scale_up", dtype="bfloat16", count=4096, reps=10):
+  plan = next(p for p in plan_scopes(topology, [scope]) if p.name == scope)
+  return hlo_check.Expectation(op="all-reduce", groups=plan.groups, ordered=False, dtype=dtype, elements=count,
+                               executions=reps, in_loop=True, outside_max=2, copy_limit=count, widen_ok=False)
+
+
+@needs_plugin
+def test_the_real_timed_program_passes_on_gpu_hlo(gpu_mesh):
+  topology, mesh = gpu_mesh
+  plan = plan_scopes(topology, ["scale_up"])[0]
+  prog = program.build_timed(collectives.get("all_reduce"), mesh, plan, 4096, "bfloat16", 10)
+  assert prog.verified.executions == 10 and prog.verified.in_loop == 10 and prog.verified.trip_counts == (5, 5)
+
+
+@needs_plugin
+def test_a_loop_without_known_trip_count_fails_on_gpu_hlo(gpu_mesh):
+  topology, mesh = gpu_mesh
+
+  def f(x):  # the bound comes from the data: XLA can't know the trip count
+    n = (x[0] * 0).astype(jnp.int32) + 5
+    return jax.lax.fori_loop(0, n, lambda i, c: jax.lax.psum(c, "gpu"), x)
+  text = _compile(mesh, f, _spec(mesh, 4096))
+  with pytest.raises(hlo_check.HloMismatch, match="no known trip count"):
+    hlo_check.verify(text, _expect(topology, reps=5))
+
+
+@needs_plugin
+def test_a_message_sized_copy_in_the_loop_body_fails_on_gpu_hlo(gpu_mesh):
+  topology, mesh = gpu_mesh
+
+  def f(x):  # the carry keeps the old buffer beside the new one: XLA:GPU copies it every trip
+    def body(i, c):
+      a, b = c
+      return jax.lax.psum(a, "gpu") + b[0], a
+    return jax.lax.fori_loop(0, 5, body, (x, x))[0]
+  text = _compile(mesh, f, _spec(mesh, 4096))
+  with pytest.raises(hlo_check.HloMismatch, match="copies 4096 elements"):
+    hlo_check.verify(text, _expect(topology, reps=5))
+
+
+@needs_plugin
+def test_a_widened_wire_dtype_fails_on_gpu_hlo(gpu_mesh):
+  """bf16 asked, the psum run in f32: passed on CPU (XLA widens there), must fail on a GPU target."""
+  topology, mesh = gpu_mesh
+
+  def f(x):
+    return jax.lax.fori_loop(0, 5, lambda i, c: jax.lax.psum(c.astype(jnp.float32), "gpu").astype(c.dtype), x)
+  text = _compile(mesh, f, _spec(mesh, 4096))
+  with pytest.raises(hlo_check.HloMismatch, match="runs on f32 data"):
+    hlo_check.verify(text, _expect(topology, reps=5))
+
+
+@needs_plugin
+def test_a_wrong_group_fails_on_gpu_hlo(gpu_mesh):
+  topology, mesh = gpu_mesh
+
+  def f(x):
+    return jax.lax.fori_loop(0, 5, lambda i, c: jax.lax.psum(c, ("rack", "node")), x)
+  text = _compile(mesh, f, _spec(mesh, 4096))
+  with pytest.raises(hlo_check.HloMismatch, match="expected all-reduce over groups"):
+    hlo_check.verify(text, _expect(topology, scope="scale_up", reps=5))
+  hlo_check.verify(text, _expect(topology, scope="scale_out", reps=5))  # the right groups pass
+
+
+# --------------------------------------------------------------------------------------- training steps
+
+def _train(**kw):
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  cfg = train.TrainConfig(compile_only=True, write=False, verbose=False, dtype="bfloat16", **kw)
+  return train.run(cfg).summary
+
+
+@needs_plugin
+def test_train_target_reports_gpu_memory_fit_and_fsdp_reduce_scatter():
+  small = _train(model="gpt2", size="tiny", parallelism="fsdp:8", batch=8, target="h100", topology="nodes:1,gpus:8")
+  assert small["fits"] is True and small["usable_bytes"] == int(gpu_kinds.target("h100").memory_bytes * 0.75)
+  assert small["comm"]["reduce-scatter"]["dtypes"] == {"bf16": small["comm"]["reduce-scatter"]["bytes"]}
+  big = _train(model="llama3", size="70b", seq_len=4096, parallelism="fsdp:8", batch=8, target="h100",
+               topology="nodes:1,gpus:8")
+  assert big["memory_per_device_bytes"] > 100 * small["memory_per_device_bytes"]
+  assert big["fits"] is False and big["margin_bytes"] < 0
+  assert big["attention"] == "cudnn" and big["attention_compiled"].get("__cudnn$fmhaSoftmax", 0) >= 1
+  # FSDP's gradients leave as reduce-scatters of the whole bf16 model once per step.
+  assert big["comm"]["reduce-scatter"]["bytes"] == pytest.approx(2 * big["params"], rel=0.01)
+
+
+@needs_plugin
+def test_study_schedule_derived_from_gpu_hlo():
+  """--target: the derived FSDP proxy from XLA:GPU's HLO reduce-scatters in bf16 (on CPU the gradient is an
+  all-reduce in f32)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  r = subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
+                      "--proxy_from=gpt2-tiny,fsdp", "--gpus=8", "--target=h100"], capture_output=True, text=True,
+                     timeout=300, env=clean_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout)
+  assert out["proxy"]["meta"]["platform"] == "gpu"
+  derived = out["comparison"]["derived"]["bytes_rank0"]
+  assert derived.get("reduce_scatter", 0) > 0 and derived.get("all_gather", 0) > 0
+
+
+# ----------------------------------------------------------------------------- golden fingerprints, GPU HLO
+
+GPU_PRESET_DEVICES = "nodes:2,gpus:8"  # 16 H100s: every preset's degrees at its smallest real size
+
+
+def _gpu_preset_fingerprint(name: str) -> dict:
+  """The step `microbench-train --preset=name --target=h100 --topology=nodes:2,gpus:8` compiles (the study's
+  model at full depth; depth is fitted to memory only on real devices)."""
+  from microbench import train  # pylint: disable=g-import-not-at-top
+  from microbench.study import presets  # pylint: disable=g-import-not-at-top
+  fields, _ = presets.resolve(name, 16, "gpu", None, {})
+  s = train.run(train.TrainConfig(**fields, target="h100", topology=GPU_PRESET_DEVICES, compile_only=True,
+                                  write=False, verbose=False)).summary
+  return {"ops": s["comm"], "loops": [{"trip_count": lp["trip_count"], "ops": lp["ops"]} for lp in s["comm_loops"]],
+          "attention_compiled": s["attention_compiled"]}
+
+
+@pytest.fixture(scope="module")
+def gpu_golden(update_golden):
+  from microbench.study import presets  # pylint: disable=g-import-not-at-top
+  if update_golden or not os.path.exists(GOLDEN):
+    current = {f"preset {n}": _gpu_preset_fingerprint(n) for n in presets.PRESETS}
+    with open(GOLDEN, "w") as f:
+      json.dump({"jax": jax.__version__, "devices": f"h100 {GPU_PRESET_DEVICES}", "fingerprints": current}, f,
+                indent=1, sort_keys=True)
+      f.write("\n")
+    if not update_golden:
+      pytest.fail(f"{GOLDEN} was missing and has been written; check it in (rerun to compare)")
+  with open(GOLDEN) as f:
+    return json.load(f)
+
+
+def _preset_names():
+  from microbench.study import presets  # pylint: disable=g-import-not-at-top
+  return list(presets.PRESETS)
+
+
+@needs_plugin
+@pytest.mark.parametrize("name", _preset_names())
+def test_gpu_preset_fingerprint_matches_golden(gpu_golden, name):
+  want = gpu_golden["fingerprints"][f"preset {name}"]
+  got = json.loads(json.dumps(_gpu_preset_fingerprint(name)))
+  assert got == want, (
+      f"--preset={name} --target=h100: the GPU step's collectives changed (jax {jax.__version__}, golden made"
+      f" with {gpu_golden['jax']}).\\n got  {json.dumps(got, sort_keys=True)}\\n want {json.dumps(want, sort_keys=True)}"
+      "\\nIf intended, regenerate: python -m pytest tests/test_gpu_compile.py --update-golden")
