@@ -281,3 +281,77 @@ def test_gpu_preset_fingerprint_matches_golden(gpu_golden, name):
       f"--preset={name} --target=h100: the GPU step's collectives changed (jax {jax.__version__}, golden made"
       f" with {gpu_golden['jax']}).\\n got  {json.dumps(got, sort_keys=True)}\\n want {json.dumps(want, sort_keys=True)}"
       "\\nIf intended, regenerate: python -m pytest tests/test_gpu_compile.py --update-golden")
+
+
+# -------------------------------------------------------- the forms XLA:GPU emits (text from real compiles)
+
+GPU_FORMS = """HloModule jit_f, is_scheduled=true, num_partitions=16
+
+%body (p: (s32[], bf16[524288])) -> (s32[], bf16[524288]) {
+  %rs = ((bf16[524288]{0}), bf16[65536]{0}) reduce-scatter-start(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, use_global_device_ids=true, dimensions={0}, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  %rsd = bf16[65536]{0} reduce-scatter-done(%rs)
+  %a2a = ((bf16[524288]{0}), bf16[524288]{0}) all-to-all-start(%x), channel_id=2, replica_groups={}, dimensions={0}
+  %cb = ((bf16[1024]{0}), bf16[1024]{0}) collective-broadcast-start(%x), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}
+  %ag = ((bf16[64]{0}, f32[32]{0}), (bf16[512]{0}, f32[256]{0})) all-gather-start(%x, %y), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7},{8,9,10,11,12,13,14,15}}, dimensions={0}
+  ROOT %t = (s32[], bf16[524288]{0}) tuple(%i, %x)
+}
+
+ENTRY %main (a: bf16[524288]) -> bf16[524288] {
+  %w = (s32[], bf16[524288]{0}) while(%t0), condition=%c, body=%body, backend_config={"known_trip_count":{"n":"10"}}
+}
+"""
+
+
+def test_gpu_async_forms_count_their_outputs_and_empty_groups_mean_every_device():
+  from microbench.hlo import parse  # pylint: disable=g-import-not-at-top
+  found = {c.op: c for c in parse.find_collectives(GPU_FORMS)}
+  assert found["reduce-scatter"].elements == 65536 and found["reduce-scatter"].sync is True
+  assert found["reduce-scatter"].emitted == "reduce-scatter-start"
+  assert found["all-to-all"].elements == 524288 and found["all-to-all"].groups == (tuple(range(16)),)
+  assert found["collective-broadcast"].elements == 1024
+  assert found["all-gather"].elements == 768 and found["all-gather"].element_types == ("bf16", "f32")
+  assert parse.execution_counts(GPU_FORMS)["body"] == 10
+
+
+DECOMPOSED = """HloModule jit_f, num_partitions=4
+
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %cp0 = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3}}
+  %d0 = f32[64]{0} collective-permute-done(%cp0)
+  %cp1 = (f32[64]{0}, f32[64]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=2, source_target_pairs={{3,0}}
+  %d1 = f32[64]{0} collective-permute-done(%cp1)
+  ROOT %s = f32[64]{0} select(%p, %d0, %d1)
+}
+"""
+
+
+def test_a_cycle_decomposed_permute_counts_as_one_operation():
+  exp = hlo_check.Expectation(op="collective-permute", groups=np.array([[0, 1, 2, 3]]), ordered=False,
+                              dtype="float32", elements=64, executions=1)
+  assert hlo_check.verify(DECOMPOSED, exp).executions == 1
+  broken = DECOMPOSED.replace("{{3,0}}", "{{3,1}}")  # the back edge to the wrong rank
+  with pytest.raises(hlo_check.HloMismatch):
+    hlo_check.verify(broken, exp)
+
+
+CALL_START = """HloModule jit_f, num_partitions=2
+
+%wrapped (p: f32[8]) -> f32[8] {
+  ROOT %ar = f32[8]{0} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+}
+
+%comp (q: f32[8]) -> f32[8] {
+  ROOT %x = f32[8]{0} negate(%q)
+}, execution_thread="host"
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %cs = ((f32[8]{0}), f32[8]{0}, s32[]) call-start(%a), async_execution_thread="thread", to_apply=%wrapped
+  ROOT %cd = f32[8]{0} call-done(%cs)
+}
+"""
+
+
+def test_a_collective_inside_an_async_call_is_counted_once():
+  exp = hlo_check.Expectation(op="all-reduce", groups=np.array([[0, 1]]), ordered=False, dtype="float32",
+                              elements=8, executions=1)
+  assert hlo_check.verify(CALL_START, exp).executions == 1

@@ -91,6 +91,23 @@ def _describe(cs: list[HloCollective]) -> str:
   return "; ".join(f"{c.op} groups={list(map(list, c.groups))}" for c in cs) or "no collective at all"
 
 
+def _decomposed_permute(found: list[HloCollective], want: frozenset) -> list[HloCollective]:
+  """XLA:GPU's cycle decomposition splits a cyclic collective-permute into pieces (the back edge apart from the
+  rest), each with a subset of the pairs: pieces in one computation whose disjoint pairs add up to `want`
+  stand for the op (every piece of a repetition then counts as one k-th of it). [] when there are none."""
+  by_comp: dict[str, list[HloCollective]] = {}
+  for c in found:
+    pairs = _canonical(c, False) if c.op == "collective-permute" else None
+    if pairs and pairs <= want:
+      by_comp.setdefault(c.computation, []).append(c)
+  out = []
+  for pieces in by_comp.values():
+    union = [p for c in pieces for p in c.groups]
+    if len(union) % len(want) == 0 and set(map(tuple, union)) == set(want):
+      out += pieces
+  return out
+
+
 def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = False,
                   want: frozenset | None = None) -> list[HloCollective]:
   """Asserts `op` appears over exactly `groups` (or the given canonical `want`) and no other collective
@@ -98,6 +115,8 @@ def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = Fa
   found = find_collectives(hlo_text)
   want = want if want is not None else expected_groups(op, groups, ordered)
   matches = [c for c in found if c.op == op and _canonical(c, ordered) == want]
+  if not matches and op == "collective-permute":
+    matches = _decomposed_permute(found, want)
   others = [c for c in found if c not in matches]
   if not matches:
     order = " in this order" if ordered else ""
@@ -127,6 +146,10 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   for loop in parse.while_loops(hlo_text, comps):
     for name in parse.reachable(hlo_text, loop.body, comps):
       in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  # A decomposed permute's pieces are parts of one operation: each piece counts 1/k of an execution.
+  pieces = sum(len(c.groups) for c in matches) // max(1, len(want if want is not None else
+                                                          expected_groups(exp.op, exp.groups, exp.ordered)))
+  share = len(matches) // pieces if exp.op == "collective-permute" and pieces and len(matches) > pieces else 1
   total, inside, trips = 0, 0, []
   for c in matches:
     times = counts.get(c.computation)
@@ -138,6 +161,7 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     if c.computation in in_loops:
       inside += times
       trips.append(in_loops[c.computation].trip_count)
+  total, inside = total // share, inside // share
   if total != exp.executions:
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):

@@ -153,7 +153,7 @@ def replica_groups(rest: str) -> tuple[tuple[int, ...], ...]:
     return parse_mesh_groups(gm.group(1))
   if gm.group(1).startswith("["):
     return parse_iota_groups(gm.group(1))
-  return _parse_list_of_lists(gm.group(1))
+  return tuple(g for g in _parse_list_of_lists(gm.group(1)) if g)  # `{}`: no groups (all devices)
 
 
 def split_tuple(type_text: str) -> list[str] | None:
@@ -224,7 +224,7 @@ def computations(hlo_text: str) -> dict[str, Computation]:
       m = _COMP_HEAD.match(line)
       if m:
         current, entry, lines = m.group("name"), bool(m.group("entry")), []
-    elif line.strip() == "}":
+    elif line.strip().startswith("}"):  # `}` or `}, execution_thread="..."`
       out[current] = Computation(current, tuple(lines), entry)
       current = None
     else:
@@ -287,11 +287,12 @@ def trip_count(ins: Instr) -> int | None:
 
 
 def callees(ins: Instr) -> list[tuple[str, str]]:
-  """(kind, computation) pairs this instruction runs; reductions' `to_apply` (a `call`'s is its callee) and
+  """(kind, computation) pairs this instruction runs; reductions' `to_apply` (a `call`'s or an async
+  `call-start`'s is its callee) and
   async -done/-update (which name the computation their -start already runs) are left out."""
   if ins.opcode.endswith("-done") or ins.opcode.endswith("-update"):
     return []
-  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply" or ins.opcode == "call"]
+  out = [(k, c) for k, c in _CALLEE.findall(ins.rest) if k != "to_apply" or ins.opcode in ("call", "call-start")]
   for k, names in _CALLEES.findall(ins.rest):
     out += [(k, c.strip().lstrip("%")) for c in names.split(",") if c.strip()]
   return out
