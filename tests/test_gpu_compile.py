@@ -225,14 +225,21 @@ def test_study_schedule_derived_from_gpu_hlo():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
-  r = subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
-                      "--proxy_from=gpt2-tiny,fsdp", "--gpus=8", "--target=h100"], capture_output=True, text=True,
-                     timeout=300, env=clean_env(), cwd=ROOT)
-  assert r.returncode == 0, r.stderr[-2000:]
-  out = json.loads(r.stdout)
+  def schedule(proxy_from: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
+                        f"--proxy_from={proxy_from}", "--gpus=8", "--target=h100"], capture_output=True, text=True,
+                       timeout=300, env=clean_env(), cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+  out = schedule("gpt2-tiny,fsdp")
   assert out["proxy"]["meta"]["platform"] == "gpu"
   derived = out["comparison"]["derived"]["bytes_rank0"]
   assert derived.get("reduce_scatter", 0) > 0 and derived.get("all_gather", 0) > 0
+  # XLA:GPU prints the pipeline's `lax.cond` transfers as true_computation=op, false_computation=skip (XLA:CPU:
+  # branch_computations={skip, op}); reading the skip branch lost every stage transfer.
+  piped = schedule("gpt2-tiny,dp+pp")
+  assert piped["comparison"]["derived"]["bytes_rank0"].get("permute", 0) > 0
+  assert any(lp.get("pipeline_ticks") for lp in piped["proxy"]["meta"]["hlo_notes"]["loops"])
 
 
 # ----------------------------------------------------------------------------- golden fingerprints, GPU HLO

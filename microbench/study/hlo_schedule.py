@@ -26,6 +26,7 @@ import numpy as np
 
 from meshes import parallelism as par
 from microbench.hlo import parse as hlo
+from microbench.target import compile_only
 from microbench.study import presets
 from microbench.study import schedules as sch
 from microbench.study import workloads as wl
@@ -143,7 +144,8 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
     return out
 
   def called(ln: _Line, *kinds: str) -> list[str]:
-    return [c for k, c in ln.callees if k in kinds]
+    """The callees of the given kinds, in the order of `kinds`."""
+    return [c for kind in kinds for k, c in ln.callees if k == kind]
 
   def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
            ) -> list[Event]:
@@ -188,7 +190,9 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
           out += walk(callee, depth + 1, tick, role, note)
         continue
       if opcode == "conditional":
-        names = called(ln, "branch_computations", "true_computation", "false_computation")
+        # `lax.cond(pred, op, skip)`: the op is the true branch, printed last as `branch_computations={skip,
+        # op}` (XLA:CPU) or first as `true_computation=op, false_computation=skip` (XLA:GPU); names[-1] is it.
+        names = called(ln, "false_computation", "branch_computations", "true_computation")
         if tick is not None and role is None:  # `lax.cond(run, op, skip)` of the tick body: the op last
           op = walk(names[-1], depth + 1, note=False)
           if op and all(e.op == "permute" for e in op if e.kind != "done"):
@@ -330,7 +334,8 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
     raise ValueError(f"--proxy_from={proxy_from}: {e}") from None
   trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0,
                     execution=p.execution())
-  text = trainer.compile_step(compiler_options).as_text()
+  compiled, _ = compile_only.compile_for_target(trainer.compile_step, compiler_options)  # deviceless GEMM tiling
+  text = compiled.as_text()
   ticks = None
   if p.stages > 1:
     from models import pipeline, pipeline_schedule  # pylint: disable=g-import-not-at-top
