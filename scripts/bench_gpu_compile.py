@@ -23,8 +23,8 @@ from microbench.cli import runner
 
 flags.DEFINE_list("parts", ["70b", "presets", "scale"], "Which tables to make.")
 flags.DEFINE_string("out", None, "Also write every row as JSON here.")
-flags.DEFINE_list("scale_sizes", ["dp:8,64,256", "fsdp:16,64,256", "dp+pp:16,64,256", "dp+pp+tp:256,512,1024",
-                                  "dp+pp+ep:512,1024,2048"], "STRATEGY:GPUS,... for the scale part.")
+flags.DEFINE_multi_string("scale", ["dp:8,64,256", "fsdp:16,64,256", "dp+pp:16,64,256", "dp+pp+tp:256,512,1024",
+                                  "dp+pp+ep:512,1024,2048"], "STRATEGY:GPUS,... for the scale part (repeat the flag per strategy).")
 FLAGS = flags.FLAGS
 
 PRESET_SIZES = {"study-dp": (8, 16), "study-fsdp": (16, 32), "study-dp-pp": (16, 32, 64),
@@ -92,7 +92,7 @@ def part_scale(rows: list) -> None:
   from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
   print("| strategy | GPUs | rank 0 bytes/iteration by op (GB) | collectives/iteration (rank 0) | compile s |")
   print("|---|---|---|---|---|")
-  for item in FLAGS.scale_sizes:
+  for item in FLAGS.scale:
     strategy, _, sizes = item.partition(":")
     for n in (int(v) for v in sizes.split(",")):
       per_host = 8 if n % 8 == 0 else n

@@ -232,6 +232,21 @@ def _axes_of(group: Sequence[int], mesh_shape: tuple[int, ...], names: Sequence[
   return "+".join(varying) or "self"
 
 
+def _comm(e: Event, group: tuple[int, ...], ranks_of_positions: Sequence[int], mesh_shape: tuple[int, ...],
+          axis_names: Sequence[str], element_bytes: int) -> sch.Comm:
+  """The schedule's collective for event `e` over one of its groups of device positions."""
+  kind = _axes_of(group, mesh_shape, axis_names)
+  ranks_in = tuple(ranks_of_positions[d] for d in group)
+  pairs: tuple[tuple[int, int], ...] = ()
+  if e.op == "permute":  # pairs of device positions -> positions within this group
+    idx = {d: i for i, d in enumerate(group)}
+    pairs = tuple(sorted((idx[a], idx[b]) for a, b in e.pairs if a in idx and b in idx))
+  elements = max(1, e.nbytes // element_bytes)
+  if e.op in ("all_gather", "reduce_scatter", "all_to_all"):
+    elements = max(len(group), elements // len(group) * len(group))
+  return sch.Comm(e.op, elements, sch.Group(kind, ranks_in), kind, pairs)
+
+
 def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int], compute_s: float, name: str,
                          samples: int, mesh_shape: tuple[int, ...], axis_names: Sequence[str],
                          element_bytes: int = wl.BF16_BYTES, meta: dict | None = None) -> sch.JobSchedule:
@@ -240,28 +255,25 @@ def schedule_from_events(evts: Sequence[Event], ranks_of_positions: Sequence[int
   n_slots = sum(1 for e in evts if e.kind != "done") + 1
   per_slot = compute_s / n_slots
   ranks: list[tuple[sch.Step, ...]] = [()] * gpus
+  # Each event's group of each device position, made once (looking it up per position was quadratic in ranks).
+  group_of = [{d: g for g in e.groups for d in g} for e in evts]
+  comms: dict[tuple[int, tuple[int, ...]], sch.Comm] = {}
   for pos in range(gpus):
     b: list[sch.Step] = []
     handles: dict[str, int] = {}
     counter = 0
-    for e in evts:
+    for e, where in zip(evts, group_of):
       if e.kind == "done":
         if e.name in handles:
           b.append(sch.Wait((handles.pop(e.name),), "wait"))
         continue
-      group = next((g for g in e.groups if pos in g), None)
+      group = where.get(pos)
       if group is None or len(group) < 2:
         continue
-      kind = _axes_of(group, mesh_shape, axis_names)
-      ranks_in = tuple(ranks_of_positions[d] for d in group)
-      pairs: tuple[tuple[int, int], ...] = ()
-      if e.op == "permute":  # pairs of device positions -> positions within this group
-        idx = {d: i for i, d in enumerate(group)}
-        pairs = tuple(sorted((idx[a], idx[b]) for a, b in e.pairs if a in idx and b in idx))
-      elements = max(1, e.nbytes // element_bytes)
-      if e.op in ("all_gather", "reduce_scatter", "all_to_all"):
-        elements = max(len(group), elements // len(group) * len(group))
-      comm = sch.Comm(e.op, elements, sch.Group(kind, ranks_in), kind, pairs)
+      key = (id(e), group)
+      comm = comms.get(key)
+      if comm is None:  # one Comm per event and group, shared by the group's members
+        comm = comms[key] = _comm(e, group, ranks_of_positions, mesh_shape, axis_names, element_bytes)
       b.append(sch.Compute(per_slot, "step"))
       if e.kind == "start":
         counter += 1
