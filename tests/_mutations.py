@@ -2,7 +2,8 @@
 
 Run in its own process with 72 CPU devices (tests/test_mutations.py starts it): for group sizes 2, 3, 18,
 32 and 72 (as many groups as fit in 72 devices) and every dtype, each mutant must give wrong > 0 and each
-real collective wrong == 0. Prints one JSON object: {"<mutant>/<dtype>/<n>": wrong}.
+real collective wrong == 0 (the narrower-type mutant only where a narrower type exists). Prints one JSON
+object: {"<mutant>/<dtype>/<n>": wrong}.
 """
 
 from __future__ import annotations
@@ -95,13 +96,84 @@ class RingByTwo(collectives.PPermute):
     return [(i, (i + 2) % n) for i in range(n)]
 
 
+class _NoHlo:
+  """A mutant whose program is not the collective's HLO (zeros, a slice of an all-reduce, another type): only
+  the data check is under test."""
+  skip_hlo = True
+
+
+class NeverRan(_NoHlo, collectives.AllReduce):
+  name = "all_reduce that never ran (zeros)"
+
+  def op(self, x, axes, n, platform):
+    return jnp.zeros_like(x)
+
+
+class MeanForSum(collectives.AllReduce):
+  name = "all_reduce computing the mean"
+
+  def op(self, x, axes, n, platform):
+    return (lax.psum(x.astype(jnp.float32), axes) / n).astype(x.dtype) if x.dtype != jnp.int32 else \
+        lax.psum(x, axes) // n
+
+
+class MaxForSum(_NoHlo, collectives.AllReduce):
+  name = "all_reduce computing the max"
+
+  def op(self, x, axes, n, platform):
+    return lax.pmax(x, axes)
+
+
+class NegatedSum(collectives.AllReduce):
+  name = "all_reduce negating the sum"
+
+  def op(self, x, axes, n, platform):
+    return -lax.psum(x, axes)
+
+
+class ShiftedSum(collectives.AllReduce):
+  name = "all_reduce output shifted by one element"
+
+  def op(self, x, axes, n, platform):
+    return jnp.roll(lax.psum(x, axes), 1)
+
+
+class StaleLast(collectives.AllReduce):
+  name = "all_reduce leaving its last element stale"
+
+  def op(self, x, axes, n, platform):
+    return lax.psum(x, axes).at[-1].set(x[-1])
+
+
+class ScatterNextChunk(_NoHlo, collectives.ReduceScatter):
+  name = "reduce_scatter delivering rank r+1's chunk"
+
+  def op(self, x, axes, n, platform):
+    c = x.shape[0] // n
+    return lax.dynamic_slice(lax.psum(x, axes), (((_rank(axes) + 1) % n) * c,), (c,))
+
+
+NARROWER = {"float16": jnp.bfloat16, "float32": jnp.bfloat16, "int32": jnp.float32}
+
+
+class NarrowSum(_NoHlo, collectives.AllReduce):
+  name = "all_reduce summing in a narrower type"
+  dtypes = tuple(NARROWER)
+
+  def op(self, x, axes, n, platform):
+    return lax.psum(x.astype(NARROWER[str(x.dtype)]), axes).astype(x.dtype)
+
+
 MUTANTS = (MissingRank(), DoubledRank(), ScatterMissingRank(), ScatterDoubledRank(), GatherSwapped(),
-           AllToAllSwapped(), WrongRoot(), RingByTwo())
+           AllToAllSwapped(), WrongRoot(), RingByTwo(), NeverRan(), MeanForSum(), MaxForSum(), NegatedSum(),
+           ShiftedSum(), StaleLast(), ScatterNextChunk(), NarrowSum())
 
 
 def _verify_for(coll, plan):
   """The HLO check with the mutant's own ring pairs (the data check is what is under test here); a ring
   of self-pairs (shift by two on two ranks) compiles to no collective at all."""
+  if getattr(coll, "skip_hlo", False):
+    return lambda text, exp: hlo_check.Verified(None, exp.dtype, 1, ())
   if not isinstance(coll, collectives.PPermute):
     return hlo_check.verify
   pairs = frozenset((int(g[s]), int(g[t])) for g in plan.groups for s, t in coll.pairs(plan.group_size))
@@ -121,6 +193,8 @@ def main() -> None:
     plan = plan_scopes(topo, ["scale_up"])[0]
     for dtype in DTYPES:
       for coll in (*MUTANTS, *(collectives.get(c) for c in collectives.NAMES)):
+        if dtype not in getattr(coll, "dtypes", DTYPES):
+          continue
         count = 2 * n  # two elements per chunk: tiny, and still every chunk of every rank distinct
         point = program.build_check(coll, mesh, plan, count, dtype, verify=_verify_for(coll, plan))
         out[f"{coll.name}/{dtype}/{n}"] = program.check(point)

@@ -11,31 +11,83 @@ Two families, both exact in every dtype, so every comparison is exact (no tolera
   larger groups (up to M^2 = 262144 in bfloat16) every pair differs in at least one of any three consecutive
   elements. The constants change pseudo-randomly with j, so no rank's data is a shifted copy of another's (or
   of its own) at any offset below P.
-- **sum** (all_reduce, reduce_scatter). Every partial sum of any subset of ranks must be exact in the dtype,
-  whatever order the reduction runs in. With E the dtype's largest exact integer (2^8 bfloat16, 2^11
-  float16, 2^24 float32 and int32 here) and V = E // n, every rank contributes a non-zero value in
-  [-V, V] at every element: a missing or doubled rank changes every element. Where V < 1 (more ranks than E,
-  e.g. bfloat16 beyond 256), rank r contributes +-1 only where `(r + j) mod m == 0` with m = ceil(n / E), so
-  no element has more than E contributors and every rank still contributes at one element in m. Exact
-  inputs therefore exist for every group size; the check never needs a tolerance.
+- **sum** (all_reduce, reduce_scatter). At element i only K ranks contribute, a window of consecutive ranks
+  starting at `(i K) mod n` (`((i + s count) K) mod n` in check run s); the others hold 0. The window's first
+  K-1 ranks hold the same value q_i in [1, Q], its last rank `T_i - (K-1) q_i`, so the total is exactly
+  `T_i = base + ((i mod ch + f(floor(i / ch)) + 7 g) mod L)`, f(c) = c w (the last chunk moved where that
+  would equal the first's), or `base + ((i + 7 g) mod L)` when count is not a multiple of n: positive, never more than HALF (so every partial sum,
+  in any order, and the total with any one rank doubled or negated are exact integers of the dtype), with
+  L = 2P (P prime) and base = HALF - L + 1. So: the total is never 0 and exceeds every single contribution
+  (zero, negated, mean- and max-instead-of-sum outputs are wrong everywhere); neighbouring elements differ
+  (a shift by one element is wrong everywhere); with ch = count/n the reduce-scatter chunk and w coprime to L,
+  the chunks of any two ranks less than L apart, and of ranks n-1 and 0, differ at every offset (a chunk of
+  the neighbouring rank, or two swapped, is wrong everywhere), and groups g < L apart differ too. K = ceil(n / count)
+  (at least 2, at most KMAX) makes the windows of one run cover every rank, so a dropped, doubled, negated
+  or scaled rank changes some element; where KMAX is too small for that (bfloat16, more than 64 x count
+  ranks), `check_runs` more check runs, differently seeded, cover the rest. HALF needs the dtype's full
+  precision (float16 totals up to 1024, float32 up to 2^23, int32 up to 2^29), so a reduction in a narrower
+  type (float16 in bfloat16, int32 in float32, float32 in a 16-bit type) rounds some element.
+- **check runs** (data): in groups larger than the alphabet M (bfloat16 beyond 512 ranks) a second run swaps
+  the even- and odd-element rules, so every pair of ranks below M^2 differs at every element in one run.
 
-Everything is periodic in i with the prime period P = 65521 (an offset error of exactly a multiple of P
-elements is the one blind spot; chunk offsets are multiples of group sizes and powers of two). One period
-per rank is computed once and tiled, so inputs and expectations of multi-GiB buffers are built at memcpy
-speed, one range at a time.
+The expected total of a sum is `T_i` itself (no sum over ranks): the check's host cost no longer grows with
+the group. The data family is periodic in i with the prime period P = 65521 (an offset error of exactly a
+multiple of P elements is its one blind spot); one period per rank is computed once and tiled, so inputs and
+expectations of multi-GiB buffers are built at memcpy speed, one range at a time.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 
 PERIOD = 65521  # prime: an offset error must be an exact multiple of it to go unseen
 ALPHABET = {"float32": 1 << 24, "int32": 1 << 24, "bfloat16": 1 << 9, "float16": 1 << 12}  # M (data)
-EXACT = {"float32": 1 << 24, "int32": 1 << 24, "bfloat16": 1 << 8, "float16": 1 << 11}     # E (sums)
+# Sums: the largest total (a doubled rank, up to 2 HALF, must stay exact), the prime P of the residue modulus
+# L = 2P, and the most contributors per element (K - 1 contributions of at least 1 must fit under base).
+HALF = {"bfloat16": 1 << 7, "float16": 1 << 10, "float32": 1 << 23, "int32": 1 << 29}
+RESIDUE_PRIME = {"bfloat16": 31, "float16": 251, "float32": 1048573, "int32": 67108859}
+KMAX = {"bfloat16": 64, "float16": 512, "float32": 4096, "int32": 4096}
 KINDS = ("data", "sum")
+GROUP_STEP = 7  # residue offset between groups (coprime to every L)
 
+
+def _modulus(dtype: str) -> int:
+  return 2 * RESIDUE_PRIME[dtype]
+
+
+def _base(dtype: str) -> int:
+  return HALF[dtype] - _modulus(dtype) + 1
+
+
+def contributors(dtype: str, n: int, count: int | None) -> int:
+  """K: ranks contributing at each element of a sum of `n` ranks over `count` elements per rank."""
+  want = 2 if not count else -(-n // count)
+  return max(2, min(KMAX[dtype], n, want)) if n >= 2 else 1
+
+
+def check_runs(kind: str, dtype: str, n: int, count: int | None) -> int:
+  """Check runs a point needs so that every single-rank error shows somewhere (see the module docstring)."""
+  if kind == "data":
+    return 2 if n > ALPHABET[dtype] else 1
+  if n < 2 or not count:
+    return 1
+  return -(-n // (count * contributors(dtype, n, count)))
+
+
+def chunk_step(dtype: str, n: int, count: int | None) -> tuple[int, int]:
+  """(ch, w): the reduce-scatter chunk length and the residue step from one chunk to the next ((0, 0) when
+  count is not a multiple of n). w is coprime to L, so two chunks less than L apart differ at every offset,
+  and w differs from ch - 1 and from 1 - ch mod L, so the elements on either side of a chunk boundary differ."""
+  if not count or n < 2 or count % n:
+    return 0, 0
+  ch, modulus = count // n, _modulus(dtype)
+  w = 1
+  while math.gcd(w, modulus) != 1 or (w - (ch - 1)) % modulus == 0 or (w + (ch - 1)) % modulus == 0:
+    w += 1
+  return ch, w
 
 def _mix(v: np.ndarray) -> np.ndarray:
   """splitmix64's finaliser on uint64: a fixed, well-spread hash of the element index."""
@@ -55,52 +107,73 @@ def _constants(m: int) -> tuple[np.ndarray, ...]:
   return tuple((x & mask).astype(np.int64) | odd for x, odd in ((a, 1), (b, 0), (c, 1), (d, 0)))
 
 
-def _hash(m: int, group_index: int, ranks: np.ndarray, j: np.ndarray) -> np.ndarray:
-  """w in [0, m) of ranks [R, 1] at period indices j [J] (the bijective part of the module docstring)."""
+def _hash(m: int, group_index: int, ranks: np.ndarray, j: np.ndarray, run: int = 0) -> np.ndarray:
+  """w in [0, m) of ranks [R, 1] at period indices j [J] (the data family's bijection; `run` 1 swaps the
+  even- and odd-element rules)."""
   a, b, c, d = (k[j] for k in _constants(m))
   lo, hi = ranks % m, (ranks // m) % m
-  u = np.where(j % 2 == 0, lo, (hi + c * lo) % m)
+  u = np.where((j + run) % 2 == 0, lo, (hi + c * lo) % m)
   return (a * u + b + d * (group_index % m)) % m
 
 
 class GroupInputs:
-  """The known inputs of one group (`n` ranks, index `group_index` among its scope's groups) in `dtype`.
+  """The known inputs of one group (`n` ranks, index `group_index` among its scope's groups) in `dtype`, for
+  messages of `count` elements per rank (sums: it sets K and the chunk step; None: K = 2, no chunks) and
+  check run `run`.
 
   `rank(r, start, stop)` gives elements [start, stop) of rank r's input, `total(start, stop)` the exact sum
-  over the group's ranks, both as int64 (exact in the dtype by construction). Short ranges are computed
-  directly; long ones tile one cached period.
+  over the group's ranks, both as int64 (exact in the dtype by construction).
   """
 
-  def __init__(self, kind: str, dtype: str, n: int, group_index: int = 0):
+  def __init__(self, kind: str, dtype: str, n: int, group_index: int = 0, count: int | None = None,
+               run: int = 0):
     if kind not in KINDS:
       raise ValueError(f"unknown input kind {kind!r}: {KINDS}")
     self.kind, self.dtype, self.n, self.group_index = kind, dtype, int(n), int(group_index)
+    self.count, self.run = count, int(run)
     self._periods: dict[int, np.ndarray] = {}
-    self._total: np.ndarray | None = None
+    if kind == "sum":
+      self.k = contributors(dtype, self.n, count)
+      self.chunk, self.step = chunk_step(dtype, self.n, count)
+      self.q_max = max(1, (_base(dtype) - 1) // max(1, self.k - 1))
 
-  @property
-  def magnitude(self) -> int:
-    """Largest |value| any rank contributes (sum inputs) or holds (data inputs)."""
-    if self.kind == "data":
-      return ALPHABET[self.dtype] // 2
-    return max(1, EXACT[self.dtype] // self.n)
+  def target(self, i: np.ndarray) -> np.ndarray:
+    """T_i: the exact total at elements i (sums)."""
+    i = np.asarray(i, np.int64)
+    modulus = _modulus(self.dtype)
+    residue = i
+    if self.chunk:  # offset in the chunk + the chunk's step; the last chunk moved off the first's residue
+      c, w = i // self.chunk, self.step
+      f = (c * w) % modulus
+      if (self.n - 1) * w % modulus == 0:
+        f = np.where(c == self.n - 1, (-2 * w) % modulus, f)
+      residue = i % self.chunk + f
+    return _base(self.dtype) + (residue + GROUP_STEP * self.group_index) % modulus
 
-  def values(self, ranks: np.ndarray, j: np.ndarray) -> np.ndarray:
-    """[len(ranks), len(j)] values of the given ranks at period indices j."""
+  def sum_at(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """Sums: the values of `ranks` at elements `i`, broadcast against each other (any shapes)."""
+    ranks, i = np.asarray(ranks, np.int64), np.asarray(i, np.int64)
+    n, k = self.n, self.k
+    offset = self.run * (self.count or 0)
+    start = ((i + offset) * k) % n
+    slot = (ranks - start) % n
+    h = _constants(1 << 24)[0][(i + 977 * self.group_index) % PERIOD]
+    q = 1 + h % self.q_max
+    last = self.target(i) - (k - 1) * q
+    return np.where(slot < k - 1, q, np.where(slot == k - 1, last, 0))
+
+  def values(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
+    """[len(ranks), len(i)] values of the given ranks at elements i (data: period indices)."""
     ranks = np.asarray(ranks, np.int64).reshape(-1, 1)
-    j = np.asarray(j, np.int64)
-    if self.kind == "data":
-      m = ALPHABET[self.dtype]
-      return _hash(m, self.group_index, ranks, j) - m // 2
-    w = _hash(ALPHABET["float32"], self.group_index, ranks, j)
-    sign = np.where(w & 1, 1, -1)
-    limit = EXACT[self.dtype] // self.n
-    if limit >= 1:
-      return sign * (1 + (w >> 1) % limit)
-    stride = -(-self.n // EXACT[self.dtype])  # m = ceil(n / E) ranks share each +-1 slot
-    return np.where((ranks + j) % stride == 0, sign, 0)
+    i = np.asarray(i, np.int64)
+    if self.kind == "sum":
+      return self.sum_at(ranks, i)
+    m = ALPHABET[self.dtype]
+    return _hash(m, self.group_index, ranks, i, self.run) - m // 2
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
+    if self.kind == "sum":
+      return self.values([r], np.arange(start, max(start, stop)))[0]
     if stop - start <= _DIRECT:
       return self.values([r], np.arange(start, max(start, stop)) % PERIOD)[0]
     if r not in self._periods:
@@ -110,27 +183,20 @@ class GroupInputs:
     return _tile(self._periods[r], start, stop)
 
   def total(self, start: int, stop: int) -> np.ndarray:
-    if stop - start <= _DIRECT and self._total is None:
-      return self._sum(np.arange(start, max(start, stop)) % PERIOD)
-    if self._total is None:
-      self._total = self._sum(np.arange(PERIOD))
-    return _tile(self._total, start, stop)
-
-  def _sum(self, j: np.ndarray) -> np.ndarray:
-    acc = np.zeros(len(j), np.int64)
-    block = max(1, (1 << 22) // max(1, len(j)))  # ranks per step: host memory stays bounded
-    for r0 in range(0, self.n, block):
-      acc += self.values(np.arange(r0, min(self.n, r0 + block)), j).sum(axis=0)
-    return acc
+    """The exact sum over the group's ranks of elements [start, stop) (sums: T itself, computed directly)."""
+    if self.kind == "sum":
+      return self.target(np.arange(start, max(start, stop)))
+    return self.values(np.arange(self.n), np.arange(start, max(start, stop)) % PERIOD).sum(axis=0)
 
 
-_DIRECT = 4096  # ranges up to this long are computed directly instead of from a cached period
+_DIRECT = 4096  # data ranges up to this long are computed directly instead of from a cached period
 
 
 @functools.lru_cache(maxsize=32)
-def group_inputs(kind: str, dtype: str, n: int, group_index: int) -> GroupInputs:
-  """Shared across points: a period (and a group's sum) is computed once per run."""
-  return GroupInputs(kind, dtype, n, group_index)
+def group_inputs(kind: str, dtype: str, n: int, group_index: int, count: int | None = None,
+                 run: int = 0) -> GroupInputs:
+  """Shared across points: a period is computed once per run."""
+  return GroupInputs(kind, dtype, n, group_index, count, run)
 
 
 def _tile(period: np.ndarray, start: int, stop: int) -> np.ndarray:

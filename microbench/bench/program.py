@@ -95,8 +95,13 @@ class Point:
   def wire_dtype(self) -> str:
     return self.check_prog.verified.wire_dtype
 
-  def group_inputs(self) -> list[known_inputs.GroupInputs]:
-    return [known_inputs.group_inputs(self.collective.inputs, self.dtype, self.n, gi)
+  @property
+  def check_runs(self) -> int:
+    """Check runs with differently seeded inputs that together catch every single-rank error."""
+    return known_inputs.check_runs(self.collective.inputs, self.dtype, self.n, self.in_count)
+
+  def group_inputs(self, run: int = 0) -> list[known_inputs.GroupInputs]:
+    return [known_inputs.group_inputs(self.collective.inputs, self.dtype, self.n, gi, self.in_count, run)
             for gi in range(self.scope.num_groups)]
 
 
@@ -119,9 +124,9 @@ def _where(scope: ScopePlan) -> dict[int, tuple[int, int]]:
   return {int(p): (gi, r) for gi, g in enumerate(scope.groups) for r, p in enumerate(g)}
 
 
-def known_input_array(point: Point) -> jax.Array:
+def known_input_array(point: Point, run: int = 0) -> jax.Array:
   where = _where(point.scope)
-  inputs = point.group_inputs()
+  inputs = point.group_inputs(run)
 
   def fill(position):
     gi, r = where[position]
@@ -203,19 +208,28 @@ def initial_carry(point: Point) -> tuple[jax.Array, ...]:
 
 
 def check(point: Point, compare: bool = True) -> int:
-  """Runs the check program on known inputs; returns this process's count of wrong output elements.
+  """Runs the check program on known inputs, once per check run (known_inputs.check_runs: more than one
+  only where one run's inputs can't expose every single-rank error); returns this process's count of wrong
+  output elements over the runs.
 
-  With `compare=False` the run still happens (the first execution, with its one-time costs) but the
+  With `compare=False` the first run still happens (the first execution, with its one-time costs) but the
   output is not compared.
   """
-  coll, n = point.collective, point.n
-  in_count, out_count = point.in_count, point.out_count
-  y = point.check_prog.fn(point.inputs())
   if not compare:
-    jax.block_until_ready(y)
+    jax.block_until_ready(point.check_prog.fn(point.inputs()))
     return 0
+  wrong = 0
+  for run in range(point.check_runs):
+    x = point.inputs() if run == 0 else known_input_array(point, run)
+    wrong += compare_output(point, point.check_prog.fn(x), run)
+  return wrong
+
+
+def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
+  """Wrong elements of this process's shards of `y` against the expected output of check run `run`."""
+  coll, in_count, out_count = point.collective, point.in_count, point.out_count
   where = _where(point.scope)
-  inputs = point.group_inputs()
+  inputs = point.group_inputs(run)
   wrong = 0
   for shard in y.addressable_shards:
     gi, rank = where[(shard.index[0].start or 0) // out_count]
@@ -224,7 +238,6 @@ def check(point: Point, compare: bool = True) -> int:
       b = min(out_count, a + CHECK_CHUNK)
       want = as_dtype(coll.expected(inputs[gi], rank, in_count, a, b), point.dtype)
       wrong += int(np.count_nonzero(got[a:b] != want))
-  del y
   return wrong
 
 

@@ -171,7 +171,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   except Exception as e:  # pylint: disable=broad-except
     return {**rec, "status": "skipped", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
-             wire_dtype=point.wire_dtype)
+             wire_dtype=point.wire_dtype, check_runs=point.check_runs)
   if cfg.target:
     return compiled_record(cfg, rec, point, short, long)
   try:

@@ -1,0 +1,137 @@
+"""The check's known inputs cannot be fooled at any group size: host-side property tests over every group size
+2..4096 and every dtype (no devices needed: a wrong collective's output is computed from the inputs).
+
+Sums (all-reduce, reduce-scatter): for each listed broken reduction the expected output differs somewhere:
+a dropped, doubled, negated or scaled rank, the mean, max or min instead of the sum, a zero or negated
+output, the output shifted by one element, a stale last element, the chunk of the wrong rank, two ranks'
+chunks swapped, and the reduction run in a narrower type. Data (all-gather, all-to-all, broadcast,
+ppermute): every pair of ranks differs at every element in one of the point's check runs, so any routing
+error shows. tests/test_mutations.py runs the same mutations through compiled programs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from microbench.bench import known_inputs as ki
+from microbench.bench.program import as_dtype
+
+DTYPES = ("bfloat16", "float16", "float32", "int32")
+NARROWER = {"float16": ("bfloat16",), "float32": ("bfloat16", "float16"), "int32": ("float32",)}
+SIZES = range(2, 4097)
+
+
+def _cast(values, dtype: str) -> np.ndarray:
+  """Values as the dtype holds them (rounded, or wrapped for int32), back in float64 for comparison."""
+  if dtype == "int32":
+    return np.asarray(np.asarray(values, np.int64).astype(np.int32), np.float64)
+  with np.errstate(over="ignore"):  # float32 totals overflow float16: inf, which is wrong, as it should be
+    return np.asarray(as_dtype(np.asarray(values, np.float64), dtype), np.float64)
+
+
+def _windows(dtype: str, n: int, count: int):
+  """Every run's contributions in sparse form: ranks [R, C, K], values [R, C, K], totals [C]."""
+  runs = ki.check_runs("sum", dtype, n, count)
+  g = [ki.GroupInputs("sum", dtype, n, 0, count, run) for run in range(runs)]
+  k = g[0].k
+  i = np.arange(count)
+  ranks, values = [], []
+  for run, inputs in enumerate(g):
+    start = ((i + run * count) * k) % n
+    rk = (start[:, None] + np.arange(k)[None, :]) % n  # [C, K]
+    ranks.append(rk)
+    values.append(inputs.sum_at(rk, i[:, None]))
+    if n in (2, 3, 63, 64, 65, 1000, 4096) and count == 16:  # only the window contributes (full grids are n^2)
+      full = inputs.values(np.arange(n), i)
+      assert (np.count_nonzero(full, axis=0) == k).all()
+      np.testing.assert_array_equal(np.take_along_axis(full.T, rk, axis=1), values[-1])
+  return np.stack(ranks), np.stack(values), g[0].total(0, count), g[0]
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sum_inputs_catch_every_broken_reduction_at_every_group_size(dtype):
+  failures = []
+  for n in SIZES:
+    for count in (16, n):  # a small all-reduce (more ranks than elements), a reduce-scatter of 1-element chunks
+      ranks, vals, total, inputs = _windows(dtype, n, count)
+      t = total.astype(np.float64)
+      tag = f"n={n} count={count}"
+      # Exactness: the total and the total with any one rank doubled or negated are exact in the dtype.
+      if not ((t + vals.max(axis=2)[0]).max() <= 2 * ki.HALF[dtype] and vals.min() >= 1 and
+              (_cast(t, dtype) == t).all()):
+        failures.append(f"{tag}: not exact")
+      if not np.array_equal(vals.sum(axis=2)[0], total):
+        failures.append(f"{tag}: windows do not add up to the total")
+      # Every rank contributes somewhere: a dropped, doubled, negated or scaled rank changes an element.
+      if len(np.unique(ranks)) != n:
+        failures.append(f"{tag}: ranks {sorted(set(range(n)) - set(np.unique(ranks)))[:5]} never contribute")
+      tr = np.broadcast_to(t[None, :, None], vals.shape)
+      for name, changed in (("doubled", tr + vals), ("negated", tr - 2 * vals), ("halved", tr - vals / 2),
+                            ("tripled", tr + 2 * vals)):
+        if (_cast(changed, dtype) == tr).any():
+          failures.append(f"{tag}: a {name} rank is invisible at some element")
+      # Whole-output errors: wrong at every element.
+      biggest = vals.max(axis=2)[0] if n == vals.shape[2] else np.maximum(vals.max(axis=2)[0], 0)
+      for name, out in (("zero", 0 * t), ("negated sum", -t), ("mean", _cast(t / n, dtype)),
+                        ("max", biggest), ("min", vals.min(axis=2)[0] if n == vals.shape[2] else 0 * t)):
+        if (out == t).any():
+          failures.append(f"{tag}: {name} instead of the sum passes at some element")
+      if (t[1:] == t[:-1]).any():
+        failures.append(f"{tag}: neighbouring totals equal (a one-element shift passes there)")
+      mine = inputs.values(np.arange(n), np.asarray([count - 1]))[:, 0]  # stale last element: own input
+      if (mine == t[-1]).any():
+        failures.append(f"{tag}: a stale last element passes")
+      if count % n == 0:  # reduce-scatter chunks: rank r's chunk against rank r+1's and a swap of 0 and 1
+        chunks = t.reshape(n, -1)
+        if (chunks == np.roll(chunks, -1, axis=0)).all(axis=1).any():
+          failures.append(f"{tag}: some rank's chunk equals its neighbour's")
+      for narrow in NARROWER.get(dtype, ()):
+        acc = np.zeros(count)
+        for k in range(vals.shape[2]):  # the reduction carried out in the narrower type
+          acc = _cast(acc + _cast(vals[0, :, k], narrow), narrow)
+        if (acc == t).all():
+          failures.append(f"{tag}: a reduction in {narrow} passes")
+    assert not failures, failures[:10]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_check_runs_cover_every_rank_and_are_few(dtype):
+  for n in SIZES:
+    for count in (1, 2, 16, n):
+      runs = ki.check_runs("sum", dtype, n, count)
+      k = ki.contributors(dtype, n, count)
+      assert runs * count * k >= n and (runs - 1) * count * k < n, (n, count)
+  assert ki.check_runs("sum", "bfloat16", 4096, 512) == 1
+  assert ki.check_runs("sum", "bfloat16", 4096, 8) == 8  # 64 contributors x 8 elements per run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_data_inputs_tell_every_pair_of_ranks_apart_at_every_element_in_some_run(dtype):
+  """Up to the alphabet M one run: every pair differs at every element. Beyond (bfloat16 from 513 ranks,
+  float16 from 4097), two runs whose element rules are swapped: the (run 0, run 1) pair of values is unique
+  per rank at every element, for every group up to 4096 ranks (the values do not depend on n)."""
+  m = ki.ALPHABET[dtype]
+  j = np.arange(8)
+  single = min(m, 4096)
+  run0 = ki.GroupInputs("data", dtype, single).values(np.arange(single), j)
+  assert all(len(np.unique(run0[:, e])) == single for e in range(len(j)))
+  if m < 4096:
+    both = [ki.GroupInputs("data", dtype, 4096, 0, None, run).values(np.arange(4096), j) for run in (0, 1)]
+    for e in range(len(j)):
+      pairs = both[0][:, e] * (2 * m) + both[1][:, e]
+      assert len(np.unique(pairs)) == 4096, (dtype, e)
+  for n in SIZES:
+    assert ki.check_runs("data", dtype, n, None) == (2 if n > m else 1)
+
+
+def test_a_narrower_reduction_and_a_wrong_rank_are_caught_on_a_real_example():
+  """The plants the issue reported: float16 summed in bfloat16 and int32 in float32 passed before."""
+  for dtype, narrow in (("float16", "bfloat16"), ("int32", "float32")):
+    inputs = ki.GroupInputs("sum", dtype, 64, 0, 1024)
+    xs = np.stack([inputs.rank(r, 0, 1024) for r in range(64)]).astype(np.float64)
+    acc = np.zeros(1024)
+    for row in xs:
+      acc = _cast(acc + _cast(row, narrow), narrow)
+    assert (acc != inputs.total(0, 1024)).sum() > 0
