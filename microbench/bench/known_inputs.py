@@ -132,6 +132,7 @@ class GroupInputs:
     self.kind, self.dtype, self.n, self.group_index = kind, dtype, int(n), int(group_index)
     self.count, self.run = count, int(run)
     self._periods: dict[int, np.ndarray] = {}
+    self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     if kind == "sum":
       self.k = contributors(dtype, self.n, count)
       self.chunk, self.step = chunk_step(dtype, self.n, count)
@@ -150,17 +151,31 @@ class GroupInputs:
       residue = i % self.chunk + f
     return _base(self.dtype) + (residue + GROUP_STEP * self.group_index) % modulus
 
+  def _rule(self, i: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(window start, free value q, last value) at elements i: what every rank's value there follows from."""
+    offset = self.run * (self.count or 0)
+    start = ((i + offset) * self.k) % self.n
+    h = _constants(1 << 24)[0][(i + 977 * self.group_index) % PERIOD]
+    q = 1 + h % self.q_max
+    return start, q, self.target(i) - (self.k - 1) * q
+
+  def _rule_range(self, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rule over elements [a, b), from a cache of the whole message when it is at most _CACHED long (the
+    group's ranks all read the same rule)."""
+    if self.count and self.count <= _CACHED and 0 <= a <= b <= self.count:
+      if self._cache is None:
+        self._cache = tuple(x.astype(np.int32) for x in self._rule(np.arange(self.count, dtype=np.int64)))
+      return tuple(x[a:b] for x in self._cache)
+    return self._rule(np.arange(a, max(a, b), dtype=np.int64))
+
   def sum_at(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
     """Sums: the values of `ranks` at elements `i`, broadcast against each other (any shapes)."""
     ranks, i = np.asarray(ranks, np.int64), np.asarray(i, np.int64)
-    n, k = self.n, self.k
-    offset = self.run * (self.count or 0)
-    start = ((i + offset) * k) % n
-    slot = (ranks - start) % n
-    h = _constants(1 << 24)[0][(i + 977 * self.group_index) % PERIOD]
-    q = 1 + h % self.q_max
-    last = self.target(i) - (k - 1) * q
-    return np.where(slot < k - 1, q, np.where(slot == k - 1, last, 0))
+    return self._values_from(ranks, *self._rule(i))
+
+  def _values_from(self, ranks, start, q, last) -> np.ndarray:
+    slot = (ranks - start) % self.n
+    return np.where(slot < self.k - 1, q, np.where(slot == self.k - 1, last, 0))
 
   def values(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
     """[len(ranks), len(i)] values of the given ranks at elements i (data: period indices)."""
@@ -173,7 +188,7 @@ class GroupInputs:
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
     if self.kind == "sum":
-      return self.values([r], np.arange(start, max(start, stop)))[0]
+      return self._values_from(np.int64(r), *self._rule_range(start, stop))
     if stop - start <= _DIRECT:
       return self.values([r], np.arange(start, max(start, stop)) % PERIOD)[0]
     if r not in self._periods:
@@ -185,14 +200,16 @@ class GroupInputs:
   def total(self, start: int, stop: int) -> np.ndarray:
     """The exact sum over the group's ranks of elements [start, stop) (sums: T itself, computed directly)."""
     if self.kind == "sum":
-      return self.target(np.arange(start, max(start, stop)))
+      start_, q, last = self._rule_range(start, stop)
+      return last + (self.k - 1) * q
     return self.values(np.arange(self.n), np.arange(start, max(start, stop)) % PERIOD).sum(axis=0)
 
 
 _DIRECT = 4096  # data ranges up to this long are computed directly instead of from a cached period
+_CACHED = 1 << 22  # sums: messages up to this many elements per rank keep their rule (3 x 4 B per element)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=16)
 def group_inputs(kind: str, dtype: str, n: int, group_index: int, count: int | None = None,
                  run: int = 0) -> GroupInputs:
   """Shared across points: a period is computed once per run."""
