@@ -12,6 +12,7 @@ from meshes.scopes import SCOPES, plan_scopes
 from meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program, sweep
 from microbench.bench.sizes import round_count
+from microbench.output import table
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)  # every scope distinct: groups of 2, 4, 4 and 8
 
@@ -235,3 +236,29 @@ def test_sizes_that_round_to_one_count_are_measured_once():
   coll = collectives.get("all_gather")
   counts = sweep.distinct_counts(coll, "float32", 3, [4, 8, 12, 16, 32])
   assert counts == {3: [4, 8, 12, 16], 6: [32]}  # 16 B = 4 elements, rounded down to 3
+
+
+def test_a_difference_the_samples_do_not_resolve_is_flagged_noisy():
+  """The issue's case: 4 operations of difference under per-call jitter as large as them. The median is
+  positive but its interval is wide and some samples are negative: NOISY, with its resolution, in the table."""
+  rng = np.random.default_rng(1)
+  per_op, per_call = 1e-3, 20e-3
+  t_short = per_call + 2 * per_op + rng.normal(0, 3e-3, (1, 10))
+  t_long = per_call + 6 * per_op + rng.normal(0, 3e-3, (1, 10))
+  stats = sweep.difference_stats(t_short, t_long, 2, 6)
+  assert stats["time_method"] == "difference" and stats["noisy"] and stats["resolution"] > sweep.NOISE_LIMIT
+  steady = sweep.difference_stats(per_call + 2 * per_op + rng.normal(0, 1e-7, (1, 10)),
+                                  per_call + 6 * per_op + rng.normal(0, 1e-7, (1, 10)), 2, 6)
+  assert not steady["noisy"] and steady["resolution"] < 0.01
+  row = table.format_row({"status": "ok", "bytes": 16 << 20, "count": 4 << 20, "dtype": "float32",
+                          "scope": "global", "group_size": 8, "num_groups": 1, "algbw_gbps": 1.0,
+                          "busbw_gbps": 1.0, "wrong": 0, **stats})
+  assert "NOISY (median +-" in row
+
+
+def test_a_noisy_point_capped_by_sample_ms_is_retried_longer_once():
+  noisy = {"noisy": True, "time_method": "difference", "resolution": 0.4}
+  assert sweep.longer_reps(6, noisy, 20) == 20  # capped at --iters
+  assert sweep.longer_reps(20, noisy, 20) is None  # already at --iters: flagged, not retried
+  assert sweep.longer_reps(6, {**noisy, "resolution": 0.06}, 40) == 12
+  assert sweep.longer_reps(6, {**noisy, "noisy": False}, 20) is None

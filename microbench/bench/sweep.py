@@ -103,6 +103,7 @@ def difference_stats(t_short: np.ndarray, t_long: np.ndarray, reps_short: int, r
                time_us_max=float(per_op.max()) * 1e6, time_us_mean=float(per_op.mean()) * 1e6,
                call_overhead_us=(float(np.median(s)) - reps_short * med) * 1e6)
     out.update(_spread((t_long - t_short) / (reps_long - reps_short)))
+    out.update(resolution(per_op))
   else:
     avg = l / reps_long
     out.update(time_method="long-arm average (difference unresolved)", time_us=float(np.median(avg)) * 1e6,
@@ -110,6 +111,32 @@ def difference_stats(t_short: np.ndarray, t_long: np.ndarray, reps_short: int, r
                time_us_mean=float(avg.mean()) * 1e6, samples_us=[float(v) * 1e6 for v in avg])
     out.update(_spread(t_long / reps_long))
   return out
+
+
+def longer_reps(reps: int, stats: dict[str, Any], iters: int) -> int | None:
+  """The long arm's operations that would bring a NOISY point's resolution to a few percent (the per-call
+  noise is divided by the added operations), when --sample_ms had capped it below --iters; None otherwise.
+  At most --iters: a point measured at --iters is flagged, not retried (the sweep's time stays bounded)."""
+  if not stats.get("noisy") or stats.get("time_method") != "difference" or reps >= iters:
+    return None
+  added = (reps - SHORT_REPS) * min(stats["resolution"], 1e3) / (NOISE_LIMIT / 2)
+  want = int(min(iters, SHORT_REPS + np.ceil(added)))
+  want -= want % 2
+  return want if want > reps else None
+
+
+SHORT_REPS = program.SHORT_REPS
+NOISE_LIMIT = 0.05  # a point is NOISY when its median's 95% interval is wider than this share of it (each side)
+
+
+def resolution(per_op: np.ndarray) -> dict[str, Any]:
+  """How well the samples resolve the median per-operation time: the half-width of its 95% interval relative
+  to it (McGill's notch, 1.57 IQR / sqrt(N)), `noisy` past NOISE_LIMIT, and also when the samples disagree on
+  its sign (a difference smaller than the per-call noise: a negative per-call overhead, say)."""
+  med = float(np.median(per_op))
+  q25, q75 = np.percentile(per_op, [25, 75])
+  rel = float(1.57 * (q75 - q25) / np.sqrt(len(per_op)) / med) if med > 0 else float("inf")
+  return {"resolution": rel, "noisy": bool(rel > NOISE_LIMIT or (per_op <= 0).any())}
 
 
 def latency_stats(t_calls: np.ndarray) -> dict[str, Any]:
@@ -209,6 +236,18 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         t_short, t_long = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay)
         t_short, t_long = _gather(t_short), _gather(t_long)
       stats = difference_stats(t_short, t_long, short.reps, long.reps)
+      more = longer_reps(long.reps, stats, cfg.iters)
+      if more:  # --sample_ms capped the long arm below what resolves the operation: once more, longer
+        try:
+          long = program.build_timed(coll, mesh, plan, count, dtype, more)
+        except hlo_check.HloMismatch as e:
+          return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
+        with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
+          t_short, t_long = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup, cfg.samples,
+                                               barrier, delay)
+          t_short, t_long = _gather(t_short), _gather(t_long)
+        rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
+        stats = difference_stats(t_short, t_long, short.reps, long.reps)
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}

@@ -41,6 +41,8 @@ def format_row(r: dict[str, Any]) -> str:
     flag += f"  wire {r['wire_dtype']}"
   if str(r.get("time_method", "")).startswith("long-arm"):
     flag += "  UNRESOLVED (long-arm average)"
+  elif r.get("noisy"):
+    flag += f"  NOISY (median +-{100 * r['resolution']:.0f}%)"
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
