@@ -160,7 +160,8 @@ def _old_program_hlo(mesh, coll, plan, count, dtype):
 @pytest.mark.parametrize("name", ["all_reduce", "ppermute", "all_to_all", "broadcast"])
 def test_hlo_check_fails_the_old_program(mesh, name):
   """Fed the old design's HLO, the timed-program check fails on the runtime trip count; with the trip count
-  made static it still fails, on the copy of the message-sized buffer in the loop body."""
+  made static it still fails, on a write of the message's size besides the collective (its zeros, or the
+  copy in the loop body)."""
   coll, plan = collectives.get(name), PLANS["scale_up"]
   text = _old_program_hlo(mesh, coll, plan, 64, "float32")
   exp = program._expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)  # pylint: disable=protected-access
@@ -168,7 +169,7 @@ def test_hlo_check_fails_the_old_program(mesh, name):
     hlo_check.verify(text, exp)
   static = "\n".join(line + ', backend_config={"known_trip_count":{"n":"10"}}' if " while(" in line else line
                      for line in text.splitlines())
-  with pytest.raises(hlo_check.HloMismatch, match="loop body copies 64 elements"):
+  with pytest.raises(hlo_check.HloMismatch, match="writes 64 elements besides the collective"):
     hlo_check.verify(static, exp)
 
 
@@ -262,3 +263,42 @@ def test_a_noisy_point_capped_by_sample_ms_is_retried_longer_once():
   assert sweep.longer_reps(20, noisy, 20) is None  # already at --iters: flagged, not retried
   assert sweep.longer_reps(6, {**noisy, "resolution": 0.06}, 40) == 12
   assert sweep.longer_reps(6, {**noisy, "noisy": False}, 20) is None
+
+
+class _ReversingFeedback(collectives.AllReduce):
+  """A timed step whose feedback reverses the buffer: a message-sized fusion, not a copy."""
+  name = "all_reduce with a reversing feedback"
+
+  def step(self, carry, axes, n, platform):
+    (x,) = carry
+    return (jnp.flip(self.op(x, axes, n, platform)),)
+
+
+class _ConvertingFeedback(collectives.AllReduce):
+  """A timed step that converts the message to float32 and back between repetitions."""
+  name = "all_reduce with a converting feedback"
+
+  def step(self, carry, axes, n, platform):
+    (x,) = carry
+    return ((self.op(x, axes, n, platform).astype(jnp.float32) + 1).astype(x.dtype),)
+
+
+@pytest.mark.parametrize("mutant", [_ReversingFeedback(), _ConvertingFeedback()], ids=lambda m: m.name)
+def test_a_message_sized_write_in_the_loop_body_fails_whatever_its_opcode(mesh, mutant):
+  with pytest.raises(hlo_check.HloMismatch, match="writes 64 elements besides the collective"):
+    program.build_timed(mutant, mesh, PLANS["scale_up"], 64, "float32", 10)
+  real = program.build_timed(collectives.get("all_reduce"), mesh, PLANS["scale_up"], 64, "float32", 10)
+  assert real.verified.body_writes is not None and real.verified.body_writes < 64
+
+
+def test_send_and_recv_are_other_collectives():
+  text = """HloModule m, num_partitions=2
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ar = f32[8]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %s = (f32[8]{0}, u32[], token[]) send(%ar, %tok), channel_id=2
+  ROOT %sd = token[] send-done(%s), channel_id=2
+}
+"""
+  with pytest.raises(hlo_check.HloMismatch, match="point-to-point send"):
+    hlo_check.verify_groups(text, "all-reduce", np.array([[0, 1]]))

@@ -168,7 +168,7 @@ def test_a_message_sized_copy_in_the_loop_body_fails_on_gpu_hlo(gpu_mesh):
       return jax.lax.psum(a, "gpu") + b[0], a
     return jax.lax.fori_loop(0, 5, body, (x, x))[0]
   text = _compile(mesh, f, _spec(mesh, 4096))
-  with pytest.raises(hlo_check.HloMismatch, match="copies 4096 elements"):
+  with pytest.raises(hlo_check.HloMismatch, match="writes 4096 elements besides the collective"):
     hlo_check.verify(text, _expect(topology, reps=5))
 
 
@@ -362,3 +362,18 @@ def test_a_collective_inside_an_async_call_is_counted_once():
   exp = hlo_check.Expectation(op="all-reduce", groups=np.array([[0, 1]]), ordered=False, dtype="float32",
                               elements=8, executions=1)
   assert hlo_check.verify(CALL_START, exp).executions == 1
+
+
+@needs_plugin
+def test_a_reversing_feedback_fails_on_gpu_hlo_in_bfloat16(gpu_mesh):
+  """On GPUs the check is strict in every dtype: a bf16 timed step that reverses the buffer fails."""
+  topology, mesh = gpu_mesh
+
+  class Reversing(collectives.AllReduce):
+    name = "all_reduce with a reversing feedback"
+
+    def step(self, carry, axes, n, platform):
+      (x,) = carry
+      return (jnp.flip(self.op(x, axes, n, platform)),)
+  with pytest.raises(hlo_check.HloMismatch, match="writes 4096 elements besides the collective"):
+    program.build_timed(Reversing(), mesh, plan_scopes(topology, ["scale_up"])[0], 4096, "bfloat16", 10)

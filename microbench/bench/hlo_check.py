@@ -15,7 +15,10 @@ checked against what it must be:
 - its per-device element count is the collective's output count;
 - it executes exactly the intended number of times per call, counted through while loops by their
   `known_trip_count` (a loop without one fails), and, in a timed loop program, inside the loop;
-- no `copy` of the message's size runs in a timed program.
+- no instruction besides the collective writes a buffer of the message's size in a timed program (judged by
+  the bytes each instruction writes, not by its opcode: a copy, or a slice, concatenate, convert or reverse
+  fusion; an in-place dynamic-update-slice writes only its update); what the loop body writes besides the
+  collective is reported.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class Expectation:
   outside_max: int = 0     # executions allowed outside loops (a peeled repetition) when in_loop
   copy_limit: int | None = None  # fail on any copy of at least this many elements
   widen_ok: bool = True    # the platform may run 16-bit collectives in float32 (XLA:CPU); never on GPUs
+  # The platform's form of the op writes the message next to the collective (XLA:CPU's tuple all-to-all:
+  # slices and a concatenate; the masked all-reduce standing in for a broadcast on CPU: a select): those
+  # writes, feeding the collective or taking its result, are not counted; a copy always is.
+  writes_are_the_op: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +68,13 @@ class Verified:
   in_loop: int = 0         # executions per call that run inside loops with a known trip count
   emitted: tuple[str, ...] = ()  # the op's opcodes as compiled (`all-reduce-start` ...)
   sync_starts: int = 0     # async starts XLA:GPU marked to run synchronously
+  body_writes: int | None = None  # elements the loop body writes besides the collective, per trip
 
   def facts(self) -> dict:
     """The record's view: what ran, as compiled."""
     return {"op_emitted": sorted(set(self.emitted)), "executions": self.executions,
             "executions_in_loop": self.in_loop, "trip_counts": sorted(set(self.trip_counts)),
-            "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype}
+            "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes}
 
 
 def expected_groups(op: str, groups: np.ndarray, ordered: bool = False) -> frozenset:
@@ -123,6 +131,9 @@ def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = Fa
     raise HloMismatch(f"expected {op} over groups {groups.tolist()}{order}, compiled program has: {_describe(found)}")
   if others:
     raise HloMismatch(f"compiled program has unexpected collectives besides {op}: {_describe(others)}")
+  p2p = re.search(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*.*?\s(send|recv)(?:-done)?\(", hlo_text, re.M)
+  if p2p:
+    raise HloMismatch(f"compiled program has point-to-point {p2p.group(1)} besides {op}: {p2p.group(0).strip()[:160]}")
   return matches
 
 
@@ -166,11 +177,12 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
+  writes = {}
   if exp.copy_limit is not None:
-    _no_big_copies(hlo_text, comps, exp.copy_limit, in_loops)
+    writes = _no_big_writes(hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync))
+                  sum(1 for c in matches if c.sync), writes.get("body_elements_written"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,18 +191,93 @@ class WhileTrip:
   line: str
 
 
-def _no_big_copies(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict) -> None:
+# Instructions that write no buffer of their own (views, tuples, control, constants) or are the collective
+# itself (its -start, -done and async wrappers); every other instruction outside a fused computation writes
+# its result.
+_NO_WRITE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
+             "after-all", "partition-id", "replica-id", "async-start", "async-update", "async-done",
+             "copy-done", "call-start", "call-done"}
+_COLLECTIVE_OPS = {f"{op}{sfx}" for op in parse._OPS for sfx in ("", "-start", "-done")}  # pylint: disable=protected-access
+
+
+def _written(ins: parse.Instr, fused: dict[str, parse.Computation]) -> int:
+  """Elements an instruction writes: its result's arrays, but only the update of a fusion whose root is a
+  dynamic-update-slice (done in place: the timed loop's one-element feedback)."""
+  callee = dict(parse._CALLEE.findall(ins.rest)).get("calls") if ins.opcode == "fusion" else None  # pylint: disable=protected-access
+  comp = fused.get(callee) if callee else None
+  if comp is not None:
+    types = {}
+    root = None
+    for line in comp.lines:
+      sub = parse.parse_instruction(line)
+      if sub is None:
+        continue
+      types[sub.name] = sub.type_text
+      if line.strip().startswith("ROOT"):
+        root = sub
+    if root is not None and root.opcode == "dynamic-update-slice":
+      operands = re.findall(r"%([\w.\-]+)", root.rest)
+      if len(operands) >= 2 and operands[1] in types:
+        return parse.result_arrays(types[operands[1]])[1]
+  shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
+  return parse.result_arrays(shaped, "copy" if ins.opcode == "copy-start" else None)[1]
+
+
+def _next_to_collectives(lines) -> set[str]:
+  """Names of the instructions of one computation that feed a collective or take its result (directly or
+  through get-tuple-element): where a platform's lowering of the op puts its own slices and concatenates."""
+  parsed = [i for i in map(parse.parse_instruction, lines) if i is not None]
+  operands = {i.name: set(re.findall(r"%([\w.\-]+)", i.rest.split("), ")[0])) for i in parsed}
+  ops = {i.name for i in parsed if i.opcode in _COLLECTIVE_OPS}
+  outs = ops | {i.name for i in parsed if i.opcode == "get-tuple-element" and operands[i.name] & ops}
+  return ({n for i in parsed if i.name in ops for n in operands[i.name]}
+          | {i.name for i in parsed if operands[i.name] & outs})
+
+
+def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None,
+                skip_next_to_op: bool = False) -> dict[str, list[tuple[int, str]]]:
+  """{computation: [(elements written, line)]} for every instruction that writes a buffer besides the
+  collectives, in every computation run from the entry that is not fused into another instruction (a
+  fusion's writes are its result, counted once). `skip_next_to_op`: leave out what feeds or takes a
+  collective's result, copies excepted (a platform's own lowering of the op)."""
+  comps = comps if comps is not None else parse.computations(hlo_text)
+  fused_names = set()
+  for comp in comps.values():
+    for line in comp.lines:
+      ins = parse.parse_instruction(line)
+      if ins is not None and ins.opcode == "fusion":
+        fused_names |= {c for k, c in parse.callees(ins) if k == "calls"}
+  fused = {n: comps[n] for n in fused_names if n in comps}
   entry = next((c.name for c in comps.values() if c.entry), None)
   run = parse.reachable(hlo_text, entry, comps) if entry else set(comps)
-  for name in sorted(run):
+  out: dict[str, list[tuple[int, str]]] = {}
+  for name in sorted(run - fused_names):
+    lowering = _next_to_collectives(comps[name].lines) if skip_next_to_op else set()
     for line in comps[name].lines:
       ins = parse.parse_instruction(line)
-      if ins is None or ins.opcode not in ("copy", "copy-start"):
+      if ins is None or ins.opcode in _NO_WRITE or ins.opcode in _COLLECTIVE_OPS:
         continue
-      # Scalars (loop counters, async contexts) are never the message.
-      shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
-      _, elements = parse.result_arrays(shaped, "copy" if ins.opcode == "copy-start" else None)
+      if ins.name in lowering and ins.opcode not in ("copy", "copy-start"):
+        continue
+      elements = _written(ins, fused)
+      if elements:
+        out.setdefault(name, []).append((elements, line.strip()))
+  return out
+
+
+def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
+                   op_writes: bool = False) -> dict:
+  """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
+  slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; returns
+  what the loop body writes besides the collective, per trip."""
+  body, largest = 0, 0
+  for name, writes in body_writes(hlo_text, comps, skip_next_to_op=op_writes).items():
+    for elements, line in writes:
+      largest = max(largest, elements)
+      if name in in_loops:
+        body += elements
       if elements >= limit:
         where = "the loop body" if name in in_loops else "the program"
-        raise HloMismatch(f"{where} copies {elements} elements (a buffer of the message's size) on every "
-                          f"{'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
+        raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
+                          f" size) on every {'repetition' if name in in_loops else 'call'}: {line[:200]}")
+  return {"body_elements_written": body, "largest_write": largest}

@@ -147,7 +147,12 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       elements=coll.out_count(count, n), executions=reps,
       in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
       copy_limit=min(coll.in_count(count, n), coll.out_count(count, n)) if timed else None,
-      widen_ok=platform == "cpu")
+      widen_ok=platform == "cpu",
+      # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
+      # around a widened 16-bit collective write the message next to the collective as part of the op there
+      # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
+      writes_are_the_op=platform == "cpu" and (coll.name in ("all_to_all", "broadcast")
+                                               or dtype in ("bfloat16", "float16")))
 
 
 def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str]:

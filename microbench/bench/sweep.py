@@ -228,6 +228,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         expected_op_s = max(expected_op_s, call_s)
       rec["iters"], rec["short_iters"] = long.reps, short.reps
       rec["trip_count"] = max(long.verified.trip_counts, default=None)
+      rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
       carry = program.initial_carry(point)
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
