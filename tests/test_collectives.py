@@ -302,3 +302,47 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 """
   with pytest.raises(hlo_check.HloMismatch, match="point-to-point send"):
     hlo_check.verify_groups(text, "all-reduce", np.array([[0, 1]]))
+
+
+class _GatherWrongFeedback(collectives.AllGather):
+  """Correct as one operation; the timed step feeds the gathered element 1 back instead of element 0."""
+  name = "all_gather with a wrong feedback"
+
+  def step(self, carry, axes, n, platform):
+    x, _ = carry
+    y = self.op(x, axes, n, platform)
+    return (jax.lax.dynamic_update_slice(x, y[1:2], (0,)), y)
+
+
+class _BroadcastStepFromRankOne(collectives.Broadcast):
+  """Correct as one operation; the timed repetitions broadcast from rank 1."""
+  name = "broadcast whose timed step uses rank 1"
+
+  def step(self, carry, axes, n, platform):
+    (x,) = carry
+    return (jax.lax.psum(jnp.where(jax.lax.axis_index(axes) == 1, x, jnp.zeros_like(x)), axes),)
+
+
+@pytest.mark.parametrize("mutant", [_GatherWrongFeedback(), _BroadcastStepFromRankOne()], ids=lambda m: m.name)
+def test_a_wrong_timed_step_is_caught_though_the_check_program_passes(mesh, mutant):
+  plan = PLANS["scale_up"]
+  count = 4 * plan.group_size
+  point = program.build_check(mutant, mesh, plan, count, "float32")
+  assert program.check(point) == 0  # the one-operation check can't see the loop's step
+  long = program.build_timed(mutant, mesh, plan, count, "float32", 10)
+  wrong, note = program.check_timed(point, long)
+  assert wrong > 0 and note == "compared after 10 repetitions"
+  real = collectives.get(mutant.name.split()[0])
+  real_point = program.build_check(real, mesh, plan, count, "float32")
+  assert program.check_timed(real_point, program.build_timed(real, mesh, plan, count, "float32", 10))[0] == 0
+
+
+def test_a_float_all_reduce_says_why_its_timed_output_is_not_compared(mesh):
+  plan = PLANS["scale_up"]
+  point = program.build_check(collectives.get("all_reduce"), mesh, plan, 64, "float32")
+  long = program.build_timed(collectives.get("all_reduce"), mesh, plan, 64, "float32", 10)
+  wrong, note = program.check_timed(point, long)
+  assert wrong is None and note.startswith("not compared: a float32 all-reduce repeated 10 times")
+  point = program.build_check(collectives.get("all_reduce"), mesh, plan, 64, "int32")
+  long = program.build_timed(collectives.get("all_reduce"), mesh, plan, 64, "int32", 10)
+  assert program.check_timed(point, long)[0] == 0

@@ -80,6 +80,12 @@ class Collective(abc.ABC):
   def expected(self, inputs: GroupInputs, rank: int, in_count: int, start: int, stop: int) -> np.ndarray:
     """Output elements [start, stop) of group rank `rank` on the known inputs (exact integers, int64)."""
 
+  def after(self, inputs: GroupInputs, rank: int, in_count: int, reps: int) -> tuple[np.ndarray, ...] | str:
+    """The timed programs' final carry of group rank `rank` after `reps` (even, >= 2) repetitions from the
+    known inputs, as float64 arrays (NaN: an element not checked), or a string saying why it can't be known
+    exactly. Compared element by element with what the timed program returns (program.check_timed)."""
+    return "no exact value after the repetitions is known for this collective"
+
   def hlo_expect(self, platform: str) -> str:
     return self.hlo_op
 
@@ -102,6 +108,13 @@ class AllReduce(Collective):
 
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.total(start, stop)
+
+  def after(self, inputs, rank, in_count, reps):
+    if inputs.dtype != "int32":
+      return (f"a {inputs.dtype} all-reduce repeated {reps} times holds n^{reps - 1} x the sum, rounded on the way:"
+              " no exact value (the check program's exact comparison stands for the op)")
+    total = inputs.total(0, in_count).astype(np.int64) * pow(inputs.n, reps - 1, 1 << 32)  # int32 wraps mod 2^32
+    return (((total + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.float64),)
 
 
 @register
@@ -134,6 +147,13 @@ class AllGather(Collective):
 
   def expected(self, inputs, rank, in_count, start, stop):
     return _from_chunks(in_count, start, stop, lambda q, a, b: inputs.rank(q, a, b))
+
+  def after(self, inputs, rank, in_count, reps):
+    first = float(inputs.rank(0, 0, 1)[0])  # every step writes the gathered first element (rank 0's) into x[0]
+    shards = [inputs.rank(q, 0, in_count).astype(np.float64) for q in range(inputs.n)]
+    for shard in shards:
+      shard[0] = first
+    return shards[rank], np.concatenate(shards)
 
 
 @register
@@ -169,6 +189,17 @@ class ReduceScatter(Collective):
     base = rank * (in_count // inputs.n)
     return inputs.total(base + start, base + stop)
 
+  def after(self, inputs, rank, in_count, reps):
+    """x[0] takes the output's first element each step, so only element 0 of rank 0's chunk (fed by every
+    rank's x[0]) keeps changing; everything else is known exactly."""
+    ch = in_count // inputs.n
+    y = inputs.total(rank * ch, (rank + 1) * ch).astype(np.float64)
+    x = inputs.rank(rank, 0, in_count).astype(np.float64)
+    x[0] = y[0]
+    if rank == 0:
+      x[0] = y[0] = np.nan
+    return x, y
+
 
 @register
 class AllToAll(Collective):
@@ -190,6 +221,11 @@ class AllToAll(Collective):
   def expected(self, inputs, rank, in_count, start, stop):
     chunk = in_count // inputs.n  # output chunk j is chunk `rank` of rank j's input
     return _from_chunks(chunk, start, stop, lambda j, a, b: inputs.rank(j, rank * chunk + a, rank * chunk + b))
+
+  def after(self, inputs, rank, in_count, reps):
+    if reps % 2:
+      return (self.expected(inputs, rank, in_count, 0, in_count).astype(np.float64),)
+    return (inputs.rank(rank, 0, in_count).astype(np.float64),)  # twice is the identity
 
 
 @register
@@ -223,6 +259,9 @@ class Broadcast(Collective):
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank(0, start, stop)
 
+  def after(self, inputs, rank, in_count, reps):
+    return (inputs.rank(0, 0, in_count).astype(np.float64),)
+
 
 @register
 class PPermute(Collective):
@@ -244,6 +283,9 @@ class PPermute(Collective):
 
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank((rank - 1) % inputs.n, start, stop)
+
+  def after(self, inputs, rank, in_count, reps):
+    return (inputs.rank((rank - reps) % inputs.n, 0, in_count).astype(np.float64),)
 
 
 def _depend(x: jax.Array, y: jax.Array) -> jax.Array:

@@ -53,9 +53,9 @@ class Expectation:
   outside_max: int = 0     # executions allowed outside loops (a peeled repetition) when in_loop
   copy_limit: int | None = None  # fail on any copy of at least this many elements
   widen_ok: bool = True    # the platform may run 16-bit collectives in float32 (XLA:CPU); never on GPUs
-  # The platform's form of the op writes the message next to the collective (XLA:CPU's tuple all-to-all:
-  # slices and a concatenate; the masked all-reduce standing in for a broadcast on CPU: a select): those
-  # writes, feeding the collective or taking its result, are not counted; a copy always is.
+  # The platform's form of the op writes the message besides the collective (XLA:CPU's tuple all-to-all:
+  # slices and a concatenate; the masked all-reduce standing in for a broadcast: a select; float32 converts
+  # around a widened 16-bit collective): there only copies fail; the writes are still reported.
   writes_are_the_op: bool = False
 
 
@@ -223,23 +223,10 @@ def _written(ins: parse.Instr, fused: dict[str, parse.Computation]) -> int:
   return parse.result_arrays(shaped, "copy" if ins.opcode == "copy-start" else None)[1]
 
 
-def _next_to_collectives(lines) -> set[str]:
-  """Names of the instructions of one computation that feed a collective or take its result (directly or
-  through get-tuple-element): where a platform's lowering of the op puts its own slices and concatenates."""
-  parsed = [i for i in map(parse.parse_instruction, lines) if i is not None]
-  operands = {i.name: set(re.findall(r"%([\w.\-]+)", i.rest.split("), ")[0])) for i in parsed}
-  ops = {i.name for i in parsed if i.opcode in _COLLECTIVE_OPS}
-  outs = ops | {i.name for i in parsed if i.opcode == "get-tuple-element" and operands[i.name] & ops}
-  return ({n for i in parsed if i.name in ops for n in operands[i.name]}
-          | {i.name for i in parsed if operands[i.name] & outs})
-
-
-def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None,
-                skip_next_to_op: bool = False) -> dict[str, list[tuple[int, str]]]:
-  """{computation: [(elements written, line)]} for every instruction that writes a buffer besides the
+def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None) -> dict[str, list[tuple[int, parse.Instr]]]:
+  """{computation: [(elements written, instruction)]} for every instruction that writes a buffer besides the
   collectives, in every computation run from the entry that is not fused into another instruction (a
-  fusion's writes are its result, counted once). `skip_next_to_op`: leave out what feeds or takes a
-  collective's result, copies excepted (a platform's own lowering of the op)."""
+  fusion's writes are its result, counted once)."""
   comps = comps if comps is not None else parse.computations(hlo_text)
   fused_names = set()
   for comp in comps.values():
@@ -252,32 +239,30 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
   run = parse.reachable(hlo_text, entry, comps) if entry else set(comps)
   out: dict[str, list[tuple[int, str]]] = {}
   for name in sorted(run - fused_names):
-    lowering = _next_to_collectives(comps[name].lines) if skip_next_to_op else set()
     for line in comps[name].lines:
       ins = parse.parse_instruction(line)
       if ins is None or ins.opcode in _NO_WRITE or ins.opcode in _COLLECTIVE_OPS:
         continue
-      if ins.name in lowering and ins.opcode not in ("copy", "copy-start"):
-        continue
       elements = _written(ins, fused)
       if elements:
-        out.setdefault(name, []).append((elements, line.strip()))
+        out.setdefault(name, []).append((elements, ins))
   return out
 
 
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
                    op_writes: bool = False) -> dict:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
-  slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; returns
-  what the loop body writes besides the collective, per trip."""
+  slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
+  `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. Returns
+  what the loop body writes besides the collective, per trip, and the largest single write."""
   body, largest = 0, 0
-  for name, writes in body_writes(hlo_text, comps, skip_next_to_op=op_writes).items():
-    for elements, line in writes:
+  for name, writes in body_writes(hlo_text, comps).items():
+    for elements, ins in writes:
       largest = max(largest, elements)
       if name in in_loops:
         body += elements
-      if elements >= limit:
+      if elements >= limit and (not op_writes or ins.opcode in ("copy", "copy-start")):
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
-                          f" size) on every {'repetition' if name in in_loops else 'call'}: {line[:200]}")
+                          f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
   return {"body_elements_written": body, "largest_write": largest}

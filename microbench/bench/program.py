@@ -151,7 +151,7 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
-      writes_are_the_op=platform == "cpu" and (coll.name in ("all_to_all", "broadcast")
+      writes_are_the_op=platform == "cpu" and (coll.hlo_op in ("all-to-all", "collective-broadcast")
                                                or dtype in ("bfloat16", "float16")))
 
 
@@ -244,6 +244,35 @@ def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
       want = as_dtype(coll.expected(inputs[gi], rank, in_count, a, b), point.dtype)
       wrong += int(np.count_nonzero(got[a:b] != want))
   return wrong
+
+
+TIMED_CHECK_LIMIT = 1 << 24  # elements per rank above which the timed programs' output is not compared
+
+
+def check_timed(point: Point, prog: Compiled) -> tuple[int | None, str]:
+  """Runs timed program `prog` once on the known inputs (outside any timed region) and compares its final
+  carry element by element with the collective's known value after `prog.reps` repetitions. Returns this
+  process's wrong elements (None when not compared) and a note: what was compared, or why not."""
+  coll = point.collective
+  if point.in_count > TIMED_CHECK_LIMIT:
+    return None, f"not compared: more than {TIMED_CHECK_LIMIT} elements per rank"
+  inputs = point.group_inputs()
+  probe = coll.after(inputs[0], 0, point.in_count, prog.reps)
+  if isinstance(probe, str):
+    return None, f"not compared: {probe}"
+  out = prog.fn(*initial_carry(point))
+  where = _where(point.scope)
+  counts = carry_counts(coll, point.in_count, point.out_count, point.dtype)
+  wrong = 0
+  for slot, (arr, per_rank) in enumerate(zip(out, counts)):
+    for shard in arr.addressable_shards:
+      gi, rank = where[(shard.index[0].start or 0) // per_rank]
+      want = coll.after(inputs[gi], rank, point.in_count, prog.reps)[slot]
+      got = np.asarray(shard.data).astype(np.float64)
+      known = ~np.isnan(want)
+      wrong += int(np.count_nonzero(got[known] != as_dtype(want[known], point.dtype).astype(np.float64)))
+  del out
+  return wrong, f"compared after {prog.reps} repetitions"
 
 
 def call_time(point: Point) -> float:

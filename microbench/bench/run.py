@@ -170,7 +170,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   out.print()
   if not target:
     out.print(table.summary(everything))
-  wrong = sum(r.get("wrong") or 0 for r in everything if r["status"] == "ok")
+  wrong = sum((r.get("wrong") or 0) + (r.get("timed_wrong") or 0) for r in everything if r["status"] == "ok")
   errors = [r for r in everything if r["status"] == "error"]
   skipped = [r for r in everything if r["status"] == "skipped"]
   compiled = [r for r in everything if r["status"] == "compiled"]

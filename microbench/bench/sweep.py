@@ -229,6 +229,12 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       rec["iters"], rec["short_iters"] = long.reps, short.reps
       rec["trip_count"] = max(long.verified.trip_counts, default=None)
       rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
+      if cfg.check:  # the timed programs' own output, once, outside the timed region
+        with guard("timed programs' check", (short.reps + long.reps) * expected_op_s):
+          results = [program.check_timed(point, prog) for prog in (short, long)]
+        counts = [w for w, _ in results if w is not None]
+        rec["timed_check"] = results[-1][1]
+        rec["timed_wrong"] = int(_gather(np.asarray([sum(counts)], np.int64)).sum()) if counts else None
       carry = program.initial_carry(point)
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):

@@ -43,6 +43,8 @@ def format_row(r: dict[str, Any]) -> str:
     flag += "  UNRESOLVED (long-arm average)"
   elif r.get("noisy"):
     flag += f"  NOISY (median +-{100 * r['resolution']:.0f}%)"
+  if r.get("timed_wrong"):
+    flag += f"  TIMED PROGRAM WRONG ({r['timed_wrong']} elements)"
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
