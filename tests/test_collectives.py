@@ -59,7 +59,7 @@ def test_timed_programs_loop_on_the_device_without_copies(mesh, name):
   assert short.verified.executions == 2 and long.verified.executions == 10
   assert set(long.verified.trip_counts) == {5}
   assert '"known_trip_count":{"n":"5"}' in long.hlo_text
-  t_short, t_long = program.time_pairs(short, long, program.initial_carry(point), 1, 3, lambda: None)
+  t_short, t_long, _ = program.time_pairs(short, long, program.initial_carry(point), 1, 3, lambda: None)
   assert t_short.shape == t_long.shape == (3,) and (t_short > 0).all() and (t_long > 0).all()
 
 
@@ -261,8 +261,8 @@ def test_a_noisy_point_capped_by_sample_ms_is_retried_longer_once():
   noisy = {"noisy": True, "time_method": "difference", "resolution": 0.4}
   assert sweep.longer_reps(6, noisy, 20) == 20  # capped at --iters
   assert sweep.longer_reps(20, noisy, 20) is None  # already at --iters: flagged, not retried
-  assert sweep.longer_reps(6, {**noisy, "resolution": 0.06}, 40) == 12
-  assert sweep.longer_reps(6, {**noisy, "noisy": False}, 20) is None
+  assert sweep.longer_reps(6, {**noisy, "resolution": 0.15}, 40) == 14
+  assert sweep.longer_reps(6, {**noisy, "resolution": 0.08}, 20) is None  # NOISY, but not worth a retry
 
 
 class _ReversingFeedback(collectives.AllReduce):
@@ -329,20 +329,26 @@ def test_a_wrong_timed_step_is_caught_though_the_check_program_passes(mesh, muta
   count = 4 * plan.group_size
   point = program.build_check(mutant, mesh, plan, count, "float32")
   assert program.check(point) == 0  # the one-operation check can't see the loop's step
-  long = program.build_timed(mutant, mesh, plan, count, "float32", 10)
-  wrong, note = program.check_timed(point, long)
-  assert wrong > 0 and note == "compared after 10 repetitions"
+  wrong, note = _timed_and_checked(mesh, mutant, point, count, "float32")
+  assert wrong > 0 and note == "compared after the 36 repetitions timed"
   real = collectives.get(mutant.name.split()[0])
   real_point = program.build_check(real, mesh, plan, count, "float32")
-  assert program.check_timed(real_point, program.build_timed(real, mesh, plan, count, "float32", 10))[0] == 0
+  assert _timed_and_checked(mesh, real, real_point, count, "float32")[0] == 0
+
+
+def _timed_and_checked(mesh, coll, point, count, dtype):
+  """One warm-up and two timed pairs of the 2- and 10-repetition programs, then the timed check (36 reps)."""
+  plan = PLANS["scale_up"]
+  short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, 10))
+  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
+  return program.check_timed(point, carry, 3 * 12)
 
 
 def test_a_float_all_reduce_says_why_its_timed_output_is_not_compared(mesh):
   plan = PLANS["scale_up"]
-  point = program.build_check(collectives.get("all_reduce"), mesh, plan, 64, "float32")
-  long = program.build_timed(collectives.get("all_reduce"), mesh, plan, 64, "float32", 10)
-  wrong, note = program.check_timed(point, long)
-  assert wrong is None and note.startswith("not compared: a float32 all-reduce repeated 10 times")
-  point = program.build_check(collectives.get("all_reduce"), mesh, plan, 64, "int32")
-  long = program.build_timed(collectives.get("all_reduce"), mesh, plan, 64, "int32", 10)
-  assert program.check_timed(point, long)[0] == 0
+  coll = collectives.get("all_reduce")
+  point = program.build_check(coll, mesh, plan, 64, "float32")
+  wrong, note = _timed_and_checked(mesh, coll, point, 64, "float32")
+  assert wrong is None and note.startswith("not compared: a float32 all-reduce repeated 36 times")
+  point = program.build_check(coll, mesh, plan, 64, "int32")
+  assert _timed_and_checked(mesh, coll, point, 64, "int32")[0] == 0

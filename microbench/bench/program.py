@@ -249,30 +249,29 @@ def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
 TIMED_CHECK_LIMIT = 1 << 24  # elements per rank above which the timed programs' output is not compared
 
 
-def check_timed(point: Point, prog: Compiled) -> tuple[int | None, str]:
-  """Runs timed program `prog` once on the known inputs (outside any timed region) and compares its final
-  carry element by element with the collective's known value after `prog.reps` repetitions. Returns this
-  process's wrong elements (None when not compared) and a note: what was compared, or why not."""
+def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int) -> tuple[int | None, str]:
+  """Compares the timed programs' final carry, after `reps` repetitions in all (every warm-up and timed call,
+  chained from the known inputs), element by element with the collective's known value after that many.
+  Nothing more runs: what is checked is what was timed. Returns this process's wrong elements (None when
+  not compared) and a note: what was compared, or why not."""
   coll = point.collective
   if point.in_count > TIMED_CHECK_LIMIT:
     return None, f"not compared: more than {TIMED_CHECK_LIMIT} elements per rank"
   inputs = point.group_inputs()
-  probe = coll.after(inputs[0], 0, point.in_count, prog.reps)
+  probe = coll.after(inputs[0], 0, point.in_count, reps)
   if isinstance(probe, str):
     return None, f"not compared: {probe}"
-  out = prog.fn(*initial_carry(point))
   where = _where(point.scope)
   counts = carry_counts(coll, point.in_count, point.out_count, point.dtype)
   wrong = 0
-  for slot, (arr, per_rank) in enumerate(zip(out, counts)):
+  for slot, (arr, per_rank) in enumerate(zip(carry, counts)):
     for shard in arr.addressable_shards:
       gi, rank = where[(shard.index[0].start or 0) // per_rank]
-      want = coll.after(inputs[gi], rank, point.in_count, prog.reps)[slot]
+      want = coll.after(inputs[gi], rank, point.in_count, reps)[slot]
       got = np.asarray(shard.data).astype(np.float64)
       known = ~np.isnan(want)
       wrong += int(np.count_nonzero(got[known] != as_dtype(want[known], point.dtype).astype(np.float64)))
-  del out
-  return wrong, f"compared after {prog.reps} repetitions"
+  return wrong, f"compared after the {reps} repetitions timed"
 
 
 def call_time(point: Point) -> float:
@@ -300,10 +299,12 @@ def _run(prog: Compiled, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
 
 
 def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], warmup: int, samples: int,
-               barrier: Callable[[], None], inject_delay_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+               barrier: Callable[[], None], inject_delay_s: float = 0.0
+               ) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
   """Seconds per call of each arm, `samples` of each, alternating (the order flips every pair so neither
-  arm always runs first). The carry flows from call to call, donated each time. `inject_delay_s` (fault
-  injection) is added per operation, so it survives the difference."""
+  arm always runs first), and the final carry. The carry flows from call to call, donated each time, so the
+  final one holds (warmup + samples) x (short + long) repetitions of the op (check_timed compares it).
+  `inject_delay_s` (fault injection) is added per operation, so it survives the difference."""
   for _ in range(warmup):
     carry = _run(long, _run(short, carry))
   t_short, t_long = [], []
@@ -315,8 +316,7 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
       if inject_delay_s:
         time.sleep(inject_delay_s * prog.reps)
       (t_short if prog is short else t_long).append(time.perf_counter() - t0)
-  del carry
-  return np.asarray(t_short), np.asarray(t_long)
+  return np.asarray(t_short), np.asarray(t_long), carry
 
 
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],

@@ -114,18 +114,20 @@ def difference_stats(t_short: np.ndarray, t_long: np.ndarray, reps_short: int, r
 
 
 def longer_reps(reps: int, stats: dict[str, Any], iters: int) -> int | None:
-  """The long arm's operations that would bring a NOISY point's resolution to a few percent (the per-call
+  """The long arm's operations that would bring a very noisy point's resolution to NOISE_LIMIT (the per-call
   noise is divided by the added operations), when --sample_ms had capped it below --iters; None otherwise.
   At most --iters: a point measured at --iters is flagged, not retried (the sweep's time stays bounded)."""
-  if not stats.get("noisy") or stats.get("time_method") != "difference" or reps >= iters:
+  if (stats.get("time_method") != "difference" or reps >= iters
+      or not stats.get("resolution", 0) > RETRY_LIMIT):
     return None
-  added = (reps - SHORT_REPS) * min(stats["resolution"], 1e3) / (NOISE_LIMIT / 2)
+  added = (reps - SHORT_REPS) * min(stats["resolution"], 1e3) / NOISE_LIMIT
   want = int(min(iters, SHORT_REPS + np.ceil(added)))
   want -= want % 2
   return want if want > reps else None
 
 
 SHORT_REPS = program.SHORT_REPS
+RETRY_LIMIT = 0.10  # ... and timed once more, longer, past this (when --sample_ms had capped it)
 NOISE_LIMIT = 0.05  # a point is NOISY when its median's 95% interval is wider than this share of it (each side)
 
 
@@ -229,18 +231,12 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       rec["iters"], rec["short_iters"] = long.reps, short.reps
       rec["trip_count"] = max(long.verified.trip_counts, default=None)
       rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
-      if cfg.check:  # the timed programs' own output, once, outside the timed region
-        with guard("timed programs' check", (short.reps + long.reps) * expected_op_s):
-          results = [program.check_timed(point, prog) for prog in (short, long)]
-        counts = [w for w, _ in results if w is not None]
-        rec["timed_check"] = results[-1][1]
-        rec["timed_wrong"] = int(_gather(np.asarray([sum(counts)], np.int64)).sum()) if counts else None
       carry = program.initial_carry(point)
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
         if _hang_here(cfg, index):
           time.sleep(1e9)  # fault injection: a collective that never returns
-        t_short, t_long = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay)
+        t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay)
         t_short, t_long = _gather(t_short), _gather(t_long)
       stats = difference_stats(t_short, t_long, short.reps, long.reps)
       more = longer_reps(long.reps, stats, cfg.iters)
@@ -250,11 +246,16 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         except hlo_check.HloMismatch as e:
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
-          t_short, t_long = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup, cfg.samples,
-                                               barrier, delay)
+          t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
+                                                      cfg.samples, barrier, delay)
           t_short, t_long = _gather(t_short), _gather(t_long)
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
+      if cfg.check:  # the timed calls' own output: the chained carry after every repetition they ran
+        timed_wrong, rec["timed_check"] = program.check_timed(
+            point, carry, (cfg.warmup + cfg.samples) * (short.reps + long.reps))
+        rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
+      del carry
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}
