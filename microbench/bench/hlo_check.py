@@ -197,13 +197,13 @@ class WhileTrip:
 _NO_WRITE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
              "after-all", "partition-id", "replica-id", "async-start", "async-update", "async-done",
              "copy-done", "call-start", "call-done"}
-_COLLECTIVE_OPS = {f"{op}{sfx}" for op in parse._OPS for sfx in ("", "-start", "-done")}  # pylint: disable=protected-access
+_COLLECTIVE_OPS = {f"{op}{sfx}" for op in parse.OPS for sfx in ("", "-start", "-done")}
 
 
 def _written(ins: parse.Instr, fused: dict[str, parse.Computation]) -> int:
   """Elements an instruction writes: its result's arrays, but only the update of a fusion whose root is a
   dynamic-update-slice (done in place: the timed loop's one-element feedback)."""
-  callee = dict(parse._CALLEE.findall(ins.rest)).get("calls") if ins.opcode == "fusion" else None  # pylint: disable=protected-access
+  callee = next((c for k, c in parse.callees(ins) if k == "calls"), None) if ins.opcode == "fusion" else None
   comp = fused.get(callee) if callee else None
   if comp is not None:
     types = {}

@@ -15,6 +15,7 @@ import numpy as np
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
         "collective-broadcast")
+OPS = _OPS  # the collective opcodes this reader knows (without -start/-done)
 # `%name = type op(` and the async `op-start(` forms; the type may be a tuple with spaces and comments.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(_OPS) +
                     r")(?P<start>-start)?\((?P<rest>.*)$")
@@ -136,6 +137,8 @@ def find_collectives(hlo_text: str) -> list[HloCollective]:
 # all-to-all and collective-broadcast `((operands), output)`, combined ones `((operands...), (outputs...))`;
 # copy-start `(destination, source, u32[])` (element 0).
 _OUTPUTS_WHOLE = ("all-reduce",)
+
+
 def source_target_pairs(rest: str) -> tuple[tuple[int, ...], ...]:
   """A collective-permute's (source, target) pairs (the text after its opcode)."""
   pm = re.search(r"source_target_pairs=(\{(?:\{[\d,\s]*\},?)*\})", rest)
