@@ -146,7 +146,8 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       op=op, groups=scope.groups, ordered=coll.ordered_groups and op != "all-reduce", dtype=dtype,
       elements=coll.out_count(count, n), executions=reps,
       in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
-      copy_limit=min(coll.in_count(count, n), coll.out_count(count, n)) if timed else None,
+      # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
+      copy_limit=max(2, min(coll.in_count(count, n), coll.out_count(count, n))) if timed else None,
       widen_ok=platform == "cpu",
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
