@@ -177,12 +177,12 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
-  writes = {}
+  writes = None
   if exp.copy_limit is not None:
     writes = _no_big_writes(hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync), writes.get("body_elements_written"))
+                  sum(1 for c in matches if c.sync), writes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,19 +250,18 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
 
 
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
-                   op_writes: bool = False) -> dict:
+                   op_writes: bool = False) -> int:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
   slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
   `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. Returns
-  what the loop body writes besides the collective, per trip, and the largest single write."""
-  body, largest = 0, 0
+  the elements the loop body writes besides the collective, per trip."""
+  body = 0
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
-      largest = max(largest, elements)
       if name in in_loops:
         body += elements
       if elements >= limit and (not op_writes or ins.opcode in ("copy", "copy-start")):
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
                           f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
-  return {"body_elements_written": body, "largest_write": largest}
+  return body

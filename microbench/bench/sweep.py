@@ -120,13 +120,12 @@ def longer_reps(reps: int, stats: dict[str, Any], iters: int) -> int | None:
   if (stats.get("time_method") != "difference" or reps >= iters
       or not stats.get("resolution", 0) > RETRY_LIMIT):
     return None
-  added = (reps - SHORT_REPS) * min(stats["resolution"], 1e3) / NOISE_LIMIT
-  want = int(min(iters, SHORT_REPS + np.ceil(added)))
+  added = (reps - program.SHORT_REPS) * min(stats["resolution"], 1e3) / NOISE_LIMIT
+  want = int(min(iters, program.SHORT_REPS + np.ceil(added)))
   want -= want % 2
   return want if want > reps else None
 
 
-SHORT_REPS = program.SHORT_REPS
 RETRY_LIMIT = 0.10  # ... and timed once more, longer, past this (when --sample_ms had capped it)
 NOISE_LIMIT = 0.05  # a point is NOISY when its median's 95% interval is wider than this share of it (each side)
 
