@@ -87,6 +87,20 @@ def ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, 
                                    axis_name=axis)
 
 
+def top_k_weights(logits_GE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """(combine weights [G, k], chosen experts [G, k]): each token's k largest logits, weighted by the router
+  probabilities renormalised over those k (Mixtral), so a token's weights sum to 1 whatever mass the other
+  experts had. A softmax of the k chosen logits is that renormalisation without forming the full one."""
+  top_v_Gk, top_i_Gk = jax.lax.top_k(logits_GE, k)
+  return jax.nn.softmax(top_v_Gk, axis=-1), top_i_Gk
+
+
+def combine(y_kGD: jax.Array, weights_Gk: jax.Array, keep_kG: jax.Array) -> jax.Array:
+  """[k, G, D] expert outputs -> [G, D]: each token's kept assignments weighted once by their combine weight;
+  a dropped assignment contributes nothing (the token's residual carries it)."""
+  return jnp.sum(y_kGD * (weights_Gk.T * keep_kG)[..., None].astype(y_kGD.dtype), axis=0)
+
+
 def _padded(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: bool = True):
   """Capacity-padded dispatch: [E, C, D] buffers, C slots per expert. Returns (y_kGD, keep_kG). `move=False`
   (a timing arm) keeps each buffer where it is: the same work without the all-to-alls."""
@@ -199,14 +213,13 @@ def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axi
 
   logits_GE = x_GD.astype(f32) @ router_DE.astype(f32)
   probs_GE = jax.nn.softmax(logits_GE, axis=-1)
-  top_v_Gk, top_i_Gk = jax.lax.top_k(logits_GE, k)
-  weights_Gk = jax.nn.softmax(top_v_Gk, axis=-1)  # Mixtral: renormalised over the chosen experts
+  weights_Gk, top_i_Gk = top_k_weights(logits_GE, k)
   idx_kG = top_i_Gk.T
 
   dispatch = dispatch_for(jax.default_backend(), cfg.dispatch)
   run = _ragged if dispatch == "ragged_all_to_all" else _padded
   y_kGD, keep_kG = run(x_GD, idx_kG, cfg, ep_axis, w_up, w_gate, w_down, move)
-  y_GD = jnp.sum(y_kGD * (weights_Gk.T * keep_kG)[..., None].astype(y_kGD.dtype), axis=0)
+  y_GD = combine(y_kGD, weights_Gk, keep_kG)
 
   tokens = total(jnp.asarray(g, f32))
   share_E = total(jnp.sum(jax.nn.one_hot(idx_kG, e, dtype=f32), axis=(0, 1))) / (tokens * k)
