@@ -65,6 +65,13 @@ SIZES: dict[str, dict[str, TransformerConfig]] = {
 }
 
 
+def tied_head(table: jax.Array) -> jax.Array:
+  """The tied embedding table where the LM head reads it (the identity). Every head use of the table goes
+  through here, so that use is one named place: tests plant a stop-gradient here to show the tied-gradient
+  reference test (tests/test_tied_embedding.py) sees a head that stops training the table."""
+  return table
+
+
 class Transformer(nnx.Module):
   """tokens [B, T] -> logits [B, T, V]; `loss` gives the training objective (pipelined over `stage` when the
   mesh has stages)."""
@@ -113,14 +120,14 @@ class Transformer(nnx.Module):
     x_BTD = self.norm(x_BTD)
     if tied_split:
       x_SND = x_BTD.reshape(shards, -1, x_BTD.shape[-1])
-      logits_SNV = jnp.einsum("snd,svd->snv", x_SND, table_SVD)
+      logits_SNV = jnp.einsum("snd,svd->snv", x_SND, tied_head(table_SVD))
       logits_BTV = logits_SNV.reshape(b, t, -1)
     else:
       logits_BTV = project(x_BTD, self._head_weight(table_VD))
     return constrain(logits_BTV, ("batch", "act_seq", "act_vocab")), aux, stats
 
   def _head_weight(self, table_VD: jax.Array) -> jax.Array:
-    return table_VD.T if self.head is None else weight(self.head, self.dtype)
+    return tied_head(table_VD).T if self.head is None else weight(self.head, self.dtype)
 
   def __call__(self, tokens_BT: jax.Array) -> jax.Array:
     return self.forward(tokens_BT)[0]
@@ -140,7 +147,7 @@ class Transformer(nnx.Module):
 
     def head_fn(hp, y_bTD, targets_bT):
       w = hp["w"].astype(dt)
-      logits = project(nnx.merge(norm_def, hp["norm"])(y_bTD), w.T if tied else w)
+      logits = project(nnx.merge(norm_def, hp["norm"])(y_bTD), tied_head(w).T if tied else w)
       return cross_entropy(logits, targets_bT)
 
     return pipeline.stack_loss(self.blocks, x_BTD, targets_BT, head_fn, head_params)
