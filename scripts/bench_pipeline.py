@@ -2,9 +2,10 @@
 
 A stack of Llama-shaped blocks split over `--stages` devices (pipeline only, no other axis) runs its
 forward and backward under each schedule; `microbench.train.overheads` times it with and without
-the bubble (alternating, medians). The compiled temp memory shows what 1F1B saves over GPipe.
+the bubble (alternating; the median of the per-round shares with its 95% interval, "not resolved" when the
+interval includes 0 or is wider than the figure). The compiled temp memory shows what 1F1B saves over GPipe.
 
-  python scripts/bench_pipeline.py --stages=4 --microbatches=8 --layers=8 --rounds=5
+  python scripts/bench_pipeline.py --stages=4 --microbatches=8 --layers=8 --rounds=12
 
 On CPU the devices are virtual (JAX_NUM_CPU_DEVICES, set here to --stages when unset).
 """
@@ -24,7 +25,7 @@ flags.DEFINE_integer("d_model", 128, "Model width.")
 flags.DEFINE_integer("seq_len", 64, "Tokens per example.")
 flags.DEFINE_integer("micro_batch", 2, "Examples per microbatch.")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to compare.")
-flags.DEFINE_integer("rounds", 5, "Alternating timed rounds per schedule.")
+flags.DEFINE_integer("rounds", 12, "Alternating timed rounds per schedule (at least 6 for an interval).")
 flags.DEFINE_string("out", None, "Also write the results as JSON here.")
 FLAGS = flags.FLAGS
 
@@ -39,7 +40,7 @@ def main(argv):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
 
-  from microbench.train.overheads import measure_bubble  # pylint: disable=g-import-not-at-top
+  from microbench.train.overheads import Share, measure_bubble  # pylint: disable=g-import-not-at-top
   from models import pipeline, pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
   from models.layers import Block, BlockConfig  # pylint: disable=g-import-not-at-top
 
@@ -86,7 +87,8 @@ def main(argv):
     fig = measure_bubble(run_with, sched, FLAGS.rounds)
     row = {**fig.as_dict(), "temp_bytes": memory[kind], "x_slots": sched.x_slots, "ticks": sched.ticks}
     results.append(row)
-    print(f"{kind:12s} S={s} M={m} V={v}  bubble measured {fig.measured:6.3f}  theory {fig.theory:6.3f}"
+    measured = Share(fig.measured, *(fig.measured_ci or (None, None)), fig.rounds).text()
+    print(f"{kind:12s} S={s} M={m} V={v}  bubble theory {fig.theory:6.3f}, measured {measured}"
           f"  step {fig.step_time_s * 1e3:8.2f} ms (no bubble {fig.no_bubble_time_s * 1e3:8.2f} ms)"
           f"  stash {sched.x_slots:2d} microbatches  temp {memory[kind] / 2**20:7.2f} MiB")
   if FLAGS.out:

@@ -34,9 +34,16 @@ HPARAM_METRICS = {
     "summary/tflops_per_device": "TFLOP/s per device", "summary/median_step_time_s": "step time (s)",
     "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/compile_time_s": "compile time (s)",
     "summary/bubble_measured": "pipeline bubble (measured)", "summary/bubble_theory": "pipeline bubble (theory)",
-    "summary/all_to_all_share": "all-to-all share", "summary/moe_dropped_fraction": "MoE assignments dropped",
+    "summary/bubble_measured_ci_low": "pipeline bubble 95% low", "summary/bubble_measured_ci_high":
+        "pipeline bubble 95% high", "summary/bubble_resolved": "pipeline bubble resolved (1 yes, 0 no)",
+    "summary/all_to_all_share": "all-to-all share", "summary/all_to_all_share_ci_low": "all-to-all share 95% low",
+    "summary/all_to_all_share_ci_high": "all-to-all share 95% high",
+    "summary/all_to_all_resolved": "all-to-all share resolved (1 yes, 0 no)",
+    "summary/moe_dropped_fraction": "MoE assignments dropped",
     **{f"summary/comm_bytes/{op}": f"{op} bytes per step per device" for op in COMM_OPS},
 }
+# Measured shares and the flag saying whether their 95% interval resolves them (microbench.train.overheads).
+RESOLVED_FLAGS = {"bubble_measured": "bubble_resolved", "all_to_all_share": "all_to_all_resolved"}
 
 
 class TrainLog:
@@ -73,9 +80,18 @@ class TrainLog:
 
   def summary(self, summary: dict[str, Any]) -> None:
     """Every numeric summary figure as `summary/<name>` and the bytes per collective type as
-    `summary/comm_bytes/<op>`, all at SUMMARY_STEP; then the session ends."""
+    `summary/comm_bytes/<op>`, all at SUMMARY_STEP; then the session ends. A measured share comes with its
+    interval (`<name>_ci_low`, `_ci_high`) and its resolved flag as 1/0; an unresolved share's own value is
+    left out, so the HParams column is empty rather than showing noise as a figure."""
     values = {f"summary/{k}": float(v) for k, v in summary.items()
               if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    for figure, flag in RESOLVED_FLAGS.items():
+      if flag in summary:
+        values[f"summary/{flag}"] = float(bool(summary[flag]))
+        if not summary[flag]:
+          values.pop(f"summary/{figure}", None)
+      if summary.get(f"{figure}_ci"):
+        values[f"summary/{figure}_ci_low"], values[f"summary/{figure}_ci_high"] = map(float, summary[f"{figure}_ci"])
     values.update({f"summary/comm_bytes/{op}": float(c["bytes"]) for op, c in (summary.get("comm") or {}).items()})
     self.scalars(values, SUMMARY_STEP)
     if self._tb:

@@ -22,7 +22,7 @@ import numpy as np
 
 from meshes import parallelism as par
 from microbench.cluster import environment, machine
-from microbench.output.train_log import TrainLog
+from microbench.output.train_log import RESOLVED_FLAGS, TrainLog
 from microbench.target import compile_only, gpu_kinds
 from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
@@ -95,16 +95,16 @@ def format_table(summary: dict[str, Any]) -> str:
             + (f" x {s['virtual_stages']} virtual stages" if s["virtual_stages"] > 1 else "")
             + f", {s['stash_slots']} stage inputs stashed; bubble theory {s['bubble_theory']:.3f}")
     if s.get("bubble_measured") is not None:
-      text += (f", measured {s['bubble_measured']:.3f} ({s['overhead_step_time_s'] * 1e3:.2f} ms forward+backward,"
-               f" {s['step_time_no_bubble_s'] * 1e3:.2f} ms without the bubble)")
+      text += (f", measured {_share_text(s, 'bubble_measured')}; {s['overhead_step_time_s'] * 1e3:.2f} ms"
+               f" forward+backward, {s['step_time_no_bubble_s'] * 1e3:.2f} ms without the bubble (medians)")
     rows.append(("pipeline", text))
   if s.get("moe_dispatch"):
     text = f"top-{s['moe_top_k']} of {s['moe_experts']} experts, {s['moe_dispatch']} dispatch"
     if s.get("moe_dropped_fraction") is not None:
       text += f", {100 * s['moe_dropped_fraction']:.2f} % of assignments dropped"
     if s.get("all_to_all_share") is not None:
-      text += (f"; all-to-all share {s['all_to_all_share']:.3f} ({s['step_time_no_all_to_all_s'] * 1e3:.2f} ms"
-               f" without the exchanges)")
+      text += (f"; all-to-all share {_share_text(s, 'all_to_all_share')};"
+               f" {s['step_time_no_all_to_all_s'] * 1e3:.2f} ms without the exchanges (median)")
     rows.append(("experts", text))
   if s.get("context_impl"):
     rows.append(("context", f"{s['context_impl']} attention over {s['context_degree']} devices"))
@@ -212,16 +212,24 @@ def _measure_overheads(cfg: TrainConfig, p: Plan, trainer: Trainer, state, batch
     return lambda: jax.block_until_ready(fn(params, rest, batch))
 
   say(f"  timing the step without {' and without '.join(a.replace('_', '-') for a in arms)}")
-  rounds = max(3, cfg.steps - cfg.warmup_steps)
-  medians = overheads.alternate({name: runner(name) for name in (None, *arms)}, rounds)
-  full = medians[None]
-  out: dict[str, Any] = {"overhead_step_time_s": full, "overhead_rounds": rounds}
-  if "bubble" in arms:
-    out.update(bubble_measured=overheads.share(full, medians["bubble"]), step_time_no_bubble_s=medians["bubble"])
-  if "all_to_all" in arms:
-    out.update(all_to_all_share=overheads.share(full, medians["all_to_all"]),
-               step_time_no_all_to_all_s=medians["all_to_all"])
+  rounds = max(overheads.MIN_ROUNDS, cfg.steps - cfg.warmup_steps)
+  times = overheads.alternate({name: runner(name) for name in (None, *arms)}, rounds)
+  full = times[None]
+  out: dict[str, Any] = {"overhead_step_time_s": statistics.median(full), "overhead_rounds": rounds}
+  for arm, figure, resolved, without in (("bubble", "bubble_measured", "bubble_resolved", "step_time_no_bubble_s"),
+                                         ("all_to_all", "all_to_all_share", "all_to_all_resolved",
+                                          "step_time_no_all_to_all_s")):
+    if arm in arms:
+      fig = overheads.paired_share(full, times[arm])
+      out.update({figure: fig.value, f"{figure}_ci": None if fig.low is None else [fig.low, fig.high],
+                  resolved: fig.resolved, without: statistics.median(times[arm])})
   return out
+
+
+def _share_text(s: dict[str, Any], figure: str) -> str:
+  """A measured share as the summary prints it: the figure with its interval, or "not resolved"."""
+  ci = s.get(f"{figure}_ci")
+  return overheads.Share(s[figure], *(ci or (None, None)), s["overhead_rounds"]).text()
 
 
 def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
@@ -388,7 +396,9 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   }
   out.line(summary)
   out.summary(summary)
-  out.text("summary", _markdown({k: v for k, v in summary.items() if k != "kind"}), cfg.steps)
+  # The text table gives a measured share with its interval, or says it is not resolved.
+  shares = {k: _share_text(summary, k) for k in RESOLVED_FLAGS if summary.get(k) is not None}
+  out.text("summary", _markdown({k: shares.get(k, v) for k, v in summary.items() if k != "kind"}), cfg.steps)
   out.close()
   say("summary:\n" + format_table(summary))
   return Result(losses[:cfg.steps], times, summary, run_dir, trainer, (params, rest, opt_state))
