@@ -135,3 +135,129 @@ def test_a_narrower_reduction_and_a_wrong_rank_are_caught_on_a_real_example():
     for row in xs:
       acc = _cast(acc + _cast(row, narrow), narrow)
     assert (acc != inputs.total(0, 1024)).sum() > 0
+
+
+# --- the other reduction operators (nccl-tests' -o): max, min, prod, avg -----------------------------------
+
+OPS = ("max", "min", "prod", "avg")
+_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod}
+
+
+def _op_windows(op: str, dtype: str, n: int, count: int):
+  """Every check run of an operator's inputs in sparse form, runs one after another along the element axis:
+  window ranks [R C, K], their values [R C, K], the value every other rank holds [R C] (the same for all of
+  them, by construction), and run 0's inputs."""
+  kind = "sum" if op == "avg" else op
+  inputs = ki.GroupInputs(kind, dtype, n, 0, count)
+  runs, k = ki.check_runs(kind, dtype, n, count), inputs.k
+  i = np.arange(count)
+  _, q, last = (np.tile(x, runs) for x in inputs._rule(i))  # only the window's start changes between runs
+  start = ((np.arange(runs * count)) * k) % n  # run r's element i is element i + r count here
+  ranks = (start[:, None] + np.arange(k)[None, :]) % n
+  values = inputs._values_from(ranks, start[:, None], q[:, None], last[:, None]).astype(np.float64)
+  outside = (inputs._values_from((start + k) % n, start, q, last).astype(np.float64) if n > k
+             else np.full(runs * count, np.nan))
+  return ranks, values, outside, inputs
+
+
+def _combine(op: str, window: np.ndarray, outside: np.ndarray, n_out: int, n: int) -> np.ndarray:
+  """op over the window's values [C, K'] and n_out ranks holding `outside` [C] (float64, exact but unrounded)."""
+  base = "sum" if op == "avg" else op
+  if window.shape[1] == 0:  # every rank holds `outside`
+    w = _combine(op, outside[:, None], outside, n_out - 1, n) * (n if op == "avg" else 1)
+  elif n_out > 0:
+    w = _REDUCE[base](window, axis=1)
+    if base == "sum":
+      w = w + n_out * outside
+    elif base == "prod":
+      w = w * outside ** n_out
+    else:
+      w = _REDUCE[base](np.stack([w, outside]), axis=0)
+  else:
+    w = _REDUCE[base](window, axis=1)
+  return w / n if op == "avg" else w
+
+
+def _finish(op: str, dtype: str, n: int, values: np.ndarray) -> np.ndarray:
+  """The result as the dtype holds it (avg: through the reciprocal, as collectives.Reduction.finish)."""
+  from microbench.bench import collectives
+  if op == "avg":
+    inputs = ki.GroupInputs("sum", dtype, n)
+    with np.errstate(over="ignore", invalid="ignore"):
+      return collectives.with_op("all_reduce", "avg").finish(inputs, np.asarray(values * n), dtype)
+  with np.errstate(over="ignore", invalid="ignore"):
+    return _cast(values, dtype)
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32", "int32"))
+@pytest.mark.parametrize("op", OPS)
+def test_every_operator_catches_every_broken_reduction_at_every_group_size(op, dtype):
+  """For max, min, prod and avg, every group size 2..4096: each rank's single error (dropped, negated, scaled
+  by 2 or 1/2; doubled where the operator counts multiplicity: not max/min, where a rank counted twice gives
+  the right answer) changes an element in one of the point's check runs; another operator in place of this
+  one, a zero output, a one-element shift, a stale last element, a neighbour's chunk and a narrower type
+  are wrong somewhere. Exactness: every input and the expected result are held exactly by the dtype."""
+  if op == "avg" and dtype == "int32":
+    pytest.skip("avg is refused for int32 (XLA has no integer average)")
+  failures, gaps = [], set()
+  for n in SIZES:
+    for count in (16, n):
+      tag = f"n={n} count={count}"
+      ranks, vals, outside, inputs = _op_windows(op, dtype, n, count)
+      k, n_out = vals.shape[1], n - vals.shape[1]
+      if not (_cast(vals, dtype) == vals).all() or (n_out and not (_cast(outside, dtype) == outside).all()):
+        failures.append(f"{tag}: inputs not exact")
+      want = _finish(op, dtype, n, _combine(op, vals, outside, n_out, n))
+      if op != "avg" and not np.array_equal(want[:count], inputs.reduced(0, count).astype(np.float64)):
+        failures.append(f"{tag}: the windows do not reduce to the expected result")
+      seen: dict[str, np.ndarray] = {}
+      total = _combine(op, vals, outside, n_out, n)[:, None] * (n if op == "avg" else 1)  # [RC, 1], unrounded
+      if op in ("max", "min"):  # one slot: the extreme rank
+        rest = vals[:, :0]
+        mutants = {"dropped": _combine(op, rest, outside, n_out, n)[:, None]}
+        for name, f in (("negated", -1.0), ("doubled value", 2.0), ("halved value", 0.5)):
+          mutants[name] = _combine(op, f * vals, outside, n_out, n)[:, None]
+      else:  # every slot at once [RC, K]: the total with that slot's value changed
+        v, scale = vals, (1 / n if op == "avg" else 1)
+        if op == "prod":
+          mutants = {"dropped": total / v, "negated": -total + 0 * v, "doubled value": 2 * total + 0 * v,
+                     "halved value": total / 2 + 0 * v, "counted twice": total * v}
+        else:
+          mutants = {"dropped": (total - v) * scale, "negated": (total - 2 * v) * scale,
+                     "doubled value": (total + v) * scale, "halved value": (total - v / 2) * scale}
+      for name, m in mutants.items():
+        caught = _finish(op, dtype, n, m) != want[:, None]
+        mask = np.zeros(n, bool)
+        mask[ranks[:, :m.shape[1]][caught]] = True
+        seen[name] = mask
+      for name, mask in seen.items():
+        if not mask.all():
+          missing = np.flatnonzero(~mask).tolist()
+          if op == "avg" and name == "halved value" and count < n:
+            gaps.add((n, dtype))  # the documented limit (README: what the check catches)
+            continue
+          failures.append(f"{tag}: {name} ranks {missing[:5]} ({len(missing)}) never seen")
+      t, v0, o0 = want[:count], vals[:count], outside[:count]
+      for other in ("sum", "max", "min", "prod", "avg"):
+        if other == op or (other == "avg" and dtype == "int32"):
+          continue
+        if (_finish(other, dtype, n, _combine(other, v0, o0, n_out, n)) == t).all():
+          failures.append(f"{tag}: {other} instead of {op} passes")
+      if (0 * t == t).all() or (t[1:] == t[:-1]).all():
+        failures.append(f"{tag}: zero output or a one-element shift passes")
+      mine = inputs.values(np.arange(n), np.asarray([count - 1]))[:, 0]
+      if (mine.astype(np.float64) == t[-1]).all():
+        failures.append(f"{tag}: a stale last element passes")
+      if count % n == 0 and (t.reshape(n, -1) == np.roll(t.reshape(n, -1), -1, axis=0)).all(axis=1).any():
+        failures.append(f"{tag}: some rank's chunk equals its neighbour's")
+      for narrow in (NARROWER.get(dtype, ()) if op != "avg" else ()):
+        low = _cast(_combine(op, _cast(v0, narrow), _cast(o0, narrow), n_out, n), narrow)
+        if (low == t).all():
+          failures.append(f"{tag}: {op} in {narrow} passes")
+    assert not failures, failures[:10]
+  # avg's one blind spot: half a small contribution is below the rounding of T/n in 16-bit types, where a
+  # message has fewer elements than the group has ranks (bfloat16 from 145 ranks, float16 at 7 sizes).
+  assert dtype in ("bfloat16", "float16") or not gaps
+  if gaps:
+    assert min(n for n, _ in gaps) == {"bfloat16": 145, "float16": 2107}[dtype], sorted(gaps)[:3]
+    print(f"avg {dtype}: a halved rank is not seen at {len(gaps)} group sizes from {min(gaps)[0]} (small messages)")

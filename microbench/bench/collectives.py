@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from microbench.bench.known_inputs import GroupInputs
+from microbench.bench import reduce_ops
+from microbench.bench.known_inputs import FP8, GroupInputs
 
 REGISTRY: dict[str, "Collective"] = {}
 
@@ -38,8 +39,18 @@ class Collective(abc.ABC):
 
   name: str = ""
   hlo_op: str = ""  # the HLO opcode the op must compile to
-  inputs: str = "data"  # known-input family: "data" (data only moves) or "sum" (values are added)
+  inputs: str = "data"  # known-input family: "data" (data only moves) or the reduction's ("sum", "max", ...)
   ordered_groups: bool = False  # output order follows the replica group's order (checked in the HLO)
+  redop: str | None = None  # reductions: the operator (nccl-tests' -o)
+
+  def refuses(self, dtype: str) -> str | None:
+    """Why this collective can't run in `dtype` (one line), or None."""
+    return None
+
+  @property
+  def writes_message(self) -> bool:
+    """The op itself writes the message besides the collective (avg's multiplication by 1/n)."""
+    return False
 
   def count_multiple(self, n: int) -> int:
     """Per-rank element count (of the S buffer) must be a multiple of this."""
@@ -78,7 +89,13 @@ class Collective(abc.ABC):
 
   @abc.abstractmethod
   def expected(self, inputs: GroupInputs, rank: int, in_count: int, start: int, stop: int) -> np.ndarray:
-    """Output elements [start, stop) of group rank `rank` on the known inputs (exact integers, int64)."""
+    """Output elements [start, stop) of group rank `rank` on the known inputs (exact integers, int64; avg:
+    the exact sum, which `finish` divides)."""
+
+  def finish(self, inputs: GroupInputs, values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """The output the program must produce from `expected`'s exact values, given the type its collective
+    ran in (only avg rounds)."""
+    return values
 
   def after(self, inputs: GroupInputs, rank: int, in_count: int, reps: int) -> tuple[np.ndarray, ...] | str:
     """The timed programs' final carry of group rank `rank` after `reps` (even, >= 2) repetitions from the
@@ -93,26 +110,75 @@ class Collective(abc.ABC):
     return self.hlo_expect(platform)
 
 
+class Reduction(Collective):
+  """A collective that reduces (all-reduce, reduce-scatter), with one of NCCL's operators: sum (the default
+  and the collective's plain name), max, min, prod, avg (`all_reduce_max`, ...). Each operator has its own
+  known inputs (known_inputs: max and min one extreme rank per element, prod a window whose product is 2T,
+  avg the sum's), so using one operator for another shows in the check."""
+
+  def __init__(self, redop: str = "sum"):
+    self.redop = redop
+    if redop != "sum":
+      self.name = f"{type(self).name}_{redop}"
+    self.inputs = "sum" if redop in ("sum", "avg") else redop
+
+  def refuses(self, dtype):
+    if dtype in FP8:
+      return (f"{self.name} in {dtype}: XLA:GPU hands no fp8 reduction to NCCL (fp8 runs all_gather, all_to_all,"
+              " ppermute and broadcast)")
+    if self.redop == "avg" and dtype == "int32":
+      return f"{self.name} in int32: XLA has no integer average (jax.lax.pmean returns float32); use sum"
+    return None
+
+  @property
+  def writes_message(self):
+    return self.redop == "avg"
+
+  def impl(self, platform):
+    op = self.hlo_expect(platform)
+    return {"sum": op, "avg": f"{op} (sum), x 1/n: XLA has no average"}.get(self.redop, f"{op} ({self.redop})")
+
+  def finish(self, inputs: GroupInputs, values: np.ndarray, wire_dtype: str) -> np.ndarray:
+    """avg: the expected output from the exact sum, divided by n as XLA does it: pmean's division becomes a
+    multiplication by the reciprocal rounded to the type the sum arrives in (the wire dtype: XLA:CPU widens
+    bfloat16 to float32, GPUs keep every dtype), the product rounded to that type, then to the dtype (read
+    from the compiled HLO on CPU and for GPU targets; tests pin both)."""
+    if self.redop != "avg":
+      return values
+    recip = float(_as(np.float32(1) / np.float32(inputs.n), wire_dtype))
+    product = _as(values.astype(np.float64) * recip, wire_dtype)  # exact in float64, rounded once
+    return _as(product, inputs.dtype).astype(np.float64)
+
+  def combine(self, xs: np.ndarray) -> np.ndarray:
+    """NumPy's reduction of [n, ...] over ranks (the readable specification)."""
+    return {"sum": np.sum, "max": np.max, "min": np.min, "prod": np.prod, "avg": np.mean}[self.redop](xs, axis=0)
+
+
 @register
-class AllReduce(Collective):
-  name, hlo_op, inputs = "all_reduce", "all-reduce", "sum"
+class AllReduce(Reduction):
+  name, hlo_op = "all_reduce", "all-reduce"
 
   def busbw_factor(self, n):
     return 2 * (n - 1) / n
 
   def op(self, x, axes, n, platform):
-    return lax.psum(x, axes)
+    return reduce_ops.all_reduce(x, axes, self.redop)
 
   def reference(self, xs):
-    return np.broadcast_to(xs.sum(0), xs.shape)
+    return np.broadcast_to(self.combine(xs), xs.shape)
 
   def expected(self, inputs, rank, in_count, start, stop):
-    return inputs.total(start, stop)
+    return inputs.reduced(start, stop)
 
   def after(self, inputs, rank, in_count, reps):
-    if inputs.dtype != "int32":
-      return (f"a {inputs.dtype} all-reduce repeated {reps} times holds n^{reps - 1} x the sum, rounded on the way:"
-              " no exact value (the check program's exact comparison stands for the op)")
+    if self.redop in ("max", "min"):  # idempotent: every repetition after the first gives the same
+      return (inputs.reduced(0, in_count).astype(np.float64),)
+    if self.redop != "sum" or inputs.dtype != "int32":
+      what = {"sum": f"holds n^{reps - 1} x the sum", "prod": "holds a power of the product",
+              "avg": "holds the average rounded again at every step"}[self.redop]
+      return (f"a {inputs.dtype} all-reduce{'' if self.redop == 'sum' else ' ' + self.redop} repeated {reps} times"
+              f" {what}, rounded on the way: no exact value (the check program's exact comparison stands for"
+              " the op)")
     total = inputs.total(0, in_count).astype(np.int64) * pow(inputs.n, reps - 1, 1 << 32)  # int32 wraps mod 2^32
     return (((total + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.float64),)
 
@@ -157,9 +223,9 @@ class AllGather(Collective):
 
 
 @register
-class ReduceScatter(Collective):
+class ReduceScatter(Reduction):
   """S is the per-rank input (n x the output shard)."""
-  name, hlo_op, inputs, ordered_groups = "reduce_scatter", "reduce-scatter", "sum", True
+  name, hlo_op, ordered_groups = "reduce_scatter", "reduce-scatter", True
 
   def count_multiple(self, n):
     return n
@@ -171,7 +237,7 @@ class ReduceScatter(Collective):
     return count // n
 
   def op(self, x, axes, n, platform):
-    return lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)
+    return reduce_ops.reduce_scatter(x, axes, n, self.redop)
 
   def carry(self, x, out_count):
     return (x, jnp.zeros((out_count,), x.dtype))  # the scattered output stays live in the carry
@@ -183,17 +249,19 @@ class ReduceScatter(Collective):
 
   def reference(self, xs):
     n = xs.shape[0]
-    return xs.sum(0).reshape(n, -1)
+    return self.combine(xs).reshape(n, -1)
 
   def expected(self, inputs, rank, in_count, start, stop):
     base = rank * (in_count // inputs.n)
-    return inputs.total(base + start, base + stop)
+    return inputs.reduced(base + start, base + stop)
 
   def after(self, inputs, rank, in_count, reps):
     """x[0] takes the output's first element each step, so only element 0 of rank 0's chunk (fed by every
     rank's x[0]) keeps changing; everything else is known exactly."""
+    if self.redop == "avg":
+      return "avg's output depends on the platform's rounding of 1/n (the check program compares it)"
     ch = in_count // inputs.n
-    y = inputs.total(rank * ch, (rank + 1) * ch).astype(np.float64)
+    y = self.expected(inputs, rank, in_count, 0, ch).astype(np.float64)
     x = inputs.rank(rank, 0, in_count).astype(np.float64)
     x[0] = y[0]
     if rank == 0:
@@ -288,6 +356,11 @@ class PPermute(Collective):
     return (inputs.rank((rank - reps) % inputs.n, 0, in_count).astype(np.float64),)
 
 
+def _as(values, dtype: str) -> np.ndarray:
+  """`values` rounded to the dtype named `dtype` (16-bit and fp8 types through ml_dtypes, as jnp names them)."""
+  return np.asarray(values, np.dtype(getattr(jnp, dtype)))
+
+
 def _depend(x: jax.Array, y: jax.Array) -> jax.Array:
   """The next repetition's input: `x` with its first element replaced by the output's first element, in
   place. One element is enough to order the repetitions (the next one can't start before this one's output
@@ -306,4 +379,15 @@ def _from_chunks(chunk: int, start: int, stop: int, source) -> np.ndarray:
   return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-NAMES = tuple(REGISTRY)
+NAMES = tuple(REGISTRY)  # the collectives; the reductions' other operators are variants of two of them
+for _name in ("all_reduce", "reduce_scatter"):
+  for _op in reduce_ops.OPS[1:]:
+    REGISTRY[f"{_name}_{_op}"] = type(REGISTRY[_name])(_op)
+
+
+def with_op(name: str, op: str) -> Collective:
+  """The collective `name` with reduction operator `op` (data-moving collectives have none: themselves)."""
+  coll = get(name)
+  if not isinstance(coll, Reduction) or op == "sum":
+    return coll
+  return get(f"{name}_{op}")

@@ -31,9 +31,10 @@ import numpy as np
 from microbench.hlo import parse
 from microbench.hlo.parse import HloCollective, find_collectives
 
-HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32"}
+HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "float8_e4m3fn": "f8e4m3fn",
+            "float8_e5m2": "f8e5m2"}
 DTYPE_OF = {v: k for k, v in HLO_TYPE.items()}
-WIDER = {"bf16": ("f32",), "f16": ("f32",)}  # what a platform may run a 16-bit collective in
+WIDER = {"bf16": ("f32",), "f16": ("f32",), "f8e4m3fn": ("f16", "f32"), "f8e5m2": ("f16", "f32")}  # XLA:CPU widens
 
 
 class HloMismatch(RuntimeError):

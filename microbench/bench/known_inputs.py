@@ -44,13 +44,15 @@ import math
 import numpy as np
 
 PERIOD = 65521  # prime: an offset error must be an exact multiple of it to go unseen
-ALPHABET = {"float32": 1 << 24, "int32": 1 << 24, "bfloat16": 1 << 9, "float16": 1 << 12}  # M (data)
+ALPHABET = {"float32": 1 << 24, "int32": 1 << 24, "bfloat16": 1 << 9, "float16": 1 << 12,  # M (data)
+            "float8_e4m3fn": 1 << 6, "float8_e5m2": 1 << 6}
+FP8 = ("float8_e4m3fn", "float8_e5m2")  # data only: XLA:GPU hands no fp8 reduction to NCCL
 # Sums: the largest total (a doubled rank, up to 2 HALF, must stay exact), the prime P of the residue modulus
 # L = 2P, and the most contributors per element (K - 1 contributions of at least 1 must fit under base).
 HALF = {"bfloat16": 1 << 7, "float16": 1 << 10, "float32": 1 << 23, "int32": 1 << 29}
 RESIDUE_PRIME = {"bfloat16": 31, "float16": 251, "float32": 1048573, "int32": 67108859}
 KMAX = {"bfloat16": 64, "float16": 512, "float32": 4096, "int32": 4096}
-KINDS = ("data", "sum")
+KINDS = ("data", "sum", "prod", "max", "min")  # data moves; the others: which reduction the values are for
 GROUP_STEP = 7  # residue offset between groups (coprime to every L)
 
 
@@ -62,8 +64,11 @@ def _base(dtype: str) -> int:
   return HALF[dtype] - _modulus(dtype) + 1
 
 
-def contributors(dtype: str, n: int, count: int | None) -> int:
-  """K: ranks contributing at each element of a sum of `n` ranks over `count` elements per rank."""
+def contributors(dtype: str, n: int, count: int | None, kind: str = "sum") -> int:
+  """K: ranks contributing at each element of a reduction of `n` ranks over `count` elements per rank (max
+  and min: 1, the rank holding the extreme value; any other rank's error is invisible at that element)."""
+  if kind in ("max", "min"):
+    return 1
   want = 2 if not count else -(-n // count)
   return max(2, min(KMAX[dtype], n, want)) if n >= 2 else 1
 
@@ -74,7 +79,7 @@ def check_runs(kind: str, dtype: str, n: int, count: int | None) -> int:
     return 2 if n > ALPHABET[dtype] else 1
   if n < 2 or not count:
     return 1
-  return -(-n // (count * contributors(dtype, n, count)))
+  return -(-n // (count * contributors(dtype, n, count, kind)))
 
 
 def chunk_step(dtype: str, n: int, count: int | None) -> tuple[int, int]:
@@ -88,6 +93,18 @@ def chunk_step(dtype: str, n: int, count: int | None) -> tuple[int, int]:
   while math.gcd(w, modulus) != 1 or (w - (ch - 1)) % modulus == 0 or (w + (ch - 1)) % modulus == 0:
     w += 1
   return ch, w
+
+
+def alphabet_values(dtype: str) -> np.ndarray:
+  """The data family's M distinct values, exact in `dtype` (int64): -M/2 .. M/2 - 1, or for fp8 the M
+  representable integers nearest zero (fp8 holds every integer only up to 8 or 16)."""
+  m = ALPHABET[dtype]
+  if dtype not in FP8:
+    return np.arange(m, dtype=np.int64) - m // 2
+  ints = np.arange(-1024, 1025, dtype=np.int64)
+  held = ints[np.asarray(ints.astype(np.dtype(dtype)).astype(np.float64)) == ints]
+  mid = int(np.searchsorted(held, 0))
+  return held[mid - m // 2: mid + m // 2]
 
 def _mix(v: np.ndarray) -> np.ndarray:
   """splitmix64's finaliser on uint64: a fixed, well-spread hash of the element index."""
@@ -133,10 +150,13 @@ class GroupInputs:
     self.count, self.run = count, int(run)
     self._periods: dict[int, np.ndarray] = {}
     self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    if kind == "sum":
-      self.k = contributors(dtype, self.n, count)
+    if kind != "data":
+      if dtype in FP8:
+        raise ValueError(f"no {kind} inputs in {dtype}: fp8 is checked on data-moving collectives only")
+      self.k = contributors(dtype, self.n, count, kind)
       self.chunk, self.step = chunk_step(dtype, self.n, count)
-      self.q_max = max(1, (_base(dtype) - 1) // max(1, self.k - 1))
+      self.q_max = {"max": _base(dtype) - 2, "min": HALF[dtype]}.get(kind) or max(
+          1, (_base(dtype) - 1) // max(1, self.k - 1))
 
   def target(self, i: np.ndarray) -> np.ndarray:
     """T_i: the exact total at elements i (sums)."""
@@ -169,25 +189,40 @@ class GroupInputs:
     return self._rule(np.arange(a, max(a, b), dtype=np.int64))
 
   def sum_at(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
-    """Sums: the values of `ranks` at elements `i`, broadcast against each other (any shapes)."""
+    """Reductions: the values of `ranks` at elements `i`, broadcast against each other (any shapes)."""
     ranks, i = np.asarray(ranks, np.int64), np.asarray(i, np.int64)
     return self._values_from(ranks, *self._rule(i))
 
   def _values_from(self, ranks, start, q, last) -> np.ndarray:
+    """Each rank's value from its slot in the element's window (see the module docstring, per kind)."""
     slot = (ranks - start) % self.n
-    return np.where(slot < self.k - 1, q, np.where(slot == self.k - 1, last, 0))
+    k = self.k
+    if self.kind == "sum":  # K-1 ranks hold q, the last T - (K-1) q, the others 0
+      return np.where(slot < k - 1, q, np.where(slot == k - 1, last, 0))
+    target = last + (k - 1) * q
+    if self.kind == "prod":  # K-2 ranks hold -1, one 2, the last +-T (product 2T), the others 1
+      sign = 1 - 2 * ((k - 2) % 2)
+      return np.where(slot < k - 2, -1, np.where(slot == k - 2, 2, np.where(slot == k - 1, sign * target, 1)))
+    if self.kind == "max":  # one rank holds T, the others 1 + q in [2, base - 1] (below every T)
+      return np.where(slot == 0, target, 1 + q)
+    return np.where(slot == 0, target, HALF[self.dtype] + q)  # min: the others in [HALF + 1, 2 HALF]
+
+  def reduced(self, start: int, stop: int) -> np.ndarray:
+    """The exact result of the kind's reduction over the group at elements [start, stop) (int64)."""
+    total = self.total(start, stop)
+    return 2 * total if self.kind == "prod" else total
 
   def values(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
     """[len(ranks), len(i)] values of the given ranks at elements i (data: period indices)."""
     ranks = np.asarray(ranks, np.int64).reshape(-1, 1)
     i = np.asarray(i, np.int64)
-    if self.kind == "sum":
+    if self.kind != "data":
       return self.sum_at(ranks, i)
     m = ALPHABET[self.dtype]
-    return _hash(m, self.group_index, ranks, i, self.run) - m // 2
+    return alphabet_values(self.dtype)[_hash(m, self.group_index, ranks, i, self.run)]
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
-    if self.kind == "sum":
+    if self.kind != "data":
       return self._values_from(np.int64(r), *self._rule_range(start, stop))
     if stop - start <= _DIRECT:
       return self.values([r], np.arange(start, max(start, stop)) % PERIOD)[0]
@@ -198,8 +233,9 @@ class GroupInputs:
     return _tile(self._periods[r], start, stop)
 
   def total(self, start: int, stop: int) -> np.ndarray:
-    """The exact sum over the group's ranks of elements [start, stop) (sums: T itself, computed directly)."""
-    if self.kind == "sum":
+    """The exact sum over the group's ranks of elements [start, stop) (reductions: T itself, computed
+    directly; `reduced` gives the kind's result)."""
+    if self.kind != "data":
       start_, q, last = self._rule_range(start, stop)
       return last + (self.k - 1) * q
     return self.values(np.arange(self.n), np.arange(start, max(start, stop)) % PERIOD).sum(axis=0)

@@ -37,7 +37,8 @@ CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check 
 SHORT_REPS = 2         # operations in the short arm
 MIN_LONG_REPS = 6      # the long arm: a real loop (>= 2 trips), and 4 operations more than the short one
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16, "int32": jnp.int32,
+          "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
 
 def as_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -152,8 +153,10 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
-      writes_are_the_op=platform == "cpu" and (coll.hlo_op in ("all-to-all", "collective-broadcast")
-                                               or dtype in ("bfloat16", "float16")))
+      # avg's multiplication by 1/n writes the output once more on every platform: part of the op.
+      writes_are_the_op=coll.writes_message or platform == "cpu" and (
+          coll.hlo_op in ("all-to-all", "collective-broadcast")
+          or dtype in ("bfloat16", "float16", *known_inputs.FP8)))
 
 
 def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str]:
@@ -242,7 +245,9 @@ def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
     got = np.asarray(shard.data)
     for a in range(0, out_count, CHECK_CHUNK):
       b = min(out_count, a + CHECK_CHUNK)
-      want = as_dtype(coll.expected(inputs[gi], rank, in_count, a, b), point.dtype)
+      want = as_dtype(coll.finish(inputs[gi], coll.expected(inputs[gi], rank, in_count, a, b),
+                                  point.wire_dtype),
+                      point.dtype)
       wrong += int(np.count_nonzero(got[a:b] != want))
   return wrong
 
