@@ -24,9 +24,10 @@ from jax import lax  # noqa: E402
 from meshes.mesh import build_mesh, ordered_devices  # noqa: E402
 from meshes.scopes import plan_scopes  # noqa: E402
 from meshes.topology import Topology  # noqa: E402
-from microbench.bench import collectives, hlo_check, program  # noqa: E402
+from microbench.bench import collectives, hlo_check, program, reduce_ops  # noqa: E402
 
 GROUP_SIZES = (2, 3, 18, 32, 72)
+OP_GROUP_SIZES = (2, 3, 18)  # the operators' mutants (37 programs per size and dtype): the suite's time
 DTYPES = ("float32", "bfloat16", "float16", "int32")
 
 
@@ -164,9 +165,61 @@ class NarrowSum(_NoHlo, collectives.AllReduce):
     return lax.psum(x.astype(NARROWER[str(x.dtype)]), axes).astype(x.dtype)
 
 
+def _op_dtypes(*ops):
+  return tuple(d for d in DTYPES if not (d == "int32" and "avg" in ops))
+
+
+class OpSwap(collectives.AllReduce):
+  """An all-reduce running operator `run` where `expect` is asked (max instead of sum, and the other way)."""
+
+  def __init__(self, expect, run):
+    super().__init__(expect)
+    self.run_op, self.name, self.dtypes = run, f"all_reduce computing {run} for {expect}", _op_dtypes(expect, run)
+
+  def op(self, x, axes, n, platform):
+    return reduce_ops.all_reduce(x, axes, self.run_op)
+
+
+class ScatterOpSwap(collectives.ReduceScatter):
+  def __init__(self, expect, run):
+    super().__init__(expect)
+    self.run_op, self.name, self.dtypes = run, f"reduce_scatter computing {run} for {expect}", _op_dtypes(expect, run)
+
+  def op(self, x, axes, n, platform):
+    return reduce_ops.reduce_scatter(x, axes, n, self.run_op)
+
+
+def _identity(op, dtype):
+  if op in ("sum", "avg"):
+    return 0
+  if op == "prod":
+    return 1
+  info = jnp.iinfo(dtype) if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype)
+  return info.min if op == "max" else info.max
+
+
+class OpMissingRank(collectives.AllReduce):
+  """The operator's all-reduce without the last rank (its input replaced by the operator's identity)."""
+
+  def __init__(self, op):
+    super().__init__(op)
+    self.name, self.dtypes = f"all_reduce missing the last rank ({op})", _op_dtypes(op)
+
+  def op(self, x, axes, n, platform):
+    fill = jnp.asarray(_identity(self.redop, x.dtype), x.dtype)
+    return reduce_ops.all_reduce(jnp.where(_rank(axes) == n - 1, fill, x), axes, self.redop)
+
+
+OPS = reduce_ops.OPS
+OP_MUTANTS = (*(OpSwap(a, b) for a in OPS for b in OPS if a != b),
+              *(ScatterOpSwap(a, b) for a, b in (("sum", "max"), ("max", "sum"), ("min", "max"), ("prod", "sum"),
+                                                 ("avg", "sum"))),
+              *(OpMissingRank(op) for op in OPS[1:]))
+REAL_OPS = tuple(collectives.with_op(b, op) for b in ("all_reduce", "reduce_scatter") for op in OPS[1:])
+
 MUTANTS = (MissingRank(), DoubledRank(), ScatterMissingRank(), ScatterDoubledRank(), GatherSwapped(),
            AllToAllSwapped(), WrongRoot(), RingByTwo(), NeverRan(), MeanForSum(), MaxForSum(), NegatedSum(),
-           ShiftedSum(), StaleLast(), ScatterNextChunk(), NarrowSum())
+           ShiftedSum(), StaleLast(), ScatterNextChunk(), NarrowSum(), *OP_MUTANTS)
 
 
 def _verify_for(coll, plan):
@@ -192,12 +245,16 @@ def main() -> None:
     mesh = build_mesh(topo, devices[:groups * n])
     plan = plan_scopes(topo, ["scale_up"])[0]
     for dtype in DTYPES:
-      for coll in (*MUTANTS, *(collectives.get(c) for c in collectives.NAMES)):
-        if dtype not in getattr(coll, "dtypes", DTYPES):
+      for coll in (*MUTANTS, *(collectives.get(c) for c in collectives.NAMES), *REAL_OPS):
+        if dtype not in getattr(coll, "dtypes", DTYPES) or coll.refuses(dtype):
+          continue
+        if (coll in OP_MUTANTS or coll in REAL_OPS) and n not in OP_GROUP_SIZES:
           continue
         count = 2 * n  # two elements per chunk: tiny, and still every chunk of every rank distinct
         point = program.build_check(coll, mesh, plan, count, dtype, verify=_verify_for(coll, plan))
         out[f"{coll.name}/{dtype}/{n}"] = program.check(point)
+        if os.environ.get("MUTATION_TRACE"):
+          print(f"{time.perf_counter() - t0:.1f} {coll.name}/{dtype}/{n}", file=sys.stderr, flush=True)
   out["seconds"] = time.perf_counter() - t0
   print(json.dumps(out))
 

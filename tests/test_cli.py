@@ -101,6 +101,9 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--max_bytes=64T"], "lower --max_bytes"),
     (["--link_peaks=scale_out:fast"], "--link_peaks scale_out:fast: give GB/s"),
     (["stray"], "unexpected arguments"),
+    (["--op=mean"], "unknown reduction operator mean: choose from sum, max, min, prod, avg or all"),
+    (["--collectives=all_reduce", "--dtype=float8_e4m3fn"], "XLA:GPU hands no fp8 reduction to NCCL"),
+    (["--collectives=reduce_scatter", "--op=avg", "--dtype=int32"], "XLA has no integer average"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
   # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.
@@ -232,3 +235,25 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
   recs = _records(out)  # every line parses
   assert 3 <= len(recs) < 200 and all(r["wrong"] is None for r in recs)
   assert json.loads((out / "meta.json").read_text())["status"] == "interrupted"
+
+
+def test_reduction_operators_and_fp8_in_one_sweep(tmp_path):
+  """--op=all runs every operator of both reductions, each checked exactly (the check program and, for the
+  idempotent max and min, the timed programs' chained output too); fp8 runs the data-moving collectives and
+  the sweep says which pairs it skipped."""
+  out = tmp_path / "run"
+  r = run_cli(["--op=all", "--dtype=bfloat16,float8_e5m2", "--scopes=scale_up", "--min_bytes=256",
+               "--max_bytes=256", f"--outdir={out}"], timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  recs = [json.loads(line) for line in open(out / "results.jsonl")]
+  names = {(x["collective"], x["dtype"]) for x in recs}
+  ops = ("", "_max", "_min", "_prod", "_avg")
+  assert names == {*((f"{c}{o}", "bfloat16") for c in ("all_reduce", "reduce_scatter") for o in ops),
+                   *((c, d) for c in ("all_gather", "all_to_all", "broadcast", "ppermute")
+                     for d in ("bfloat16", "float8_e5m2"))}
+  for x in recs:
+    assert x["status"] == "ok" and x["wrong"] == 0, x
+    if x["collective"].endswith(("_max", "_min")):
+      assert x["timed_wrong"] == 0 and x["op"] in ("max", "min")
+  assert "# all_reduce_prod in float8_e5m2 skipped: " in r.stdout
+  assert " f8e5m2 " in r.stdout

@@ -377,3 +377,42 @@ def test_a_reversing_feedback_fails_on_gpu_hlo_in_bfloat16(gpu_mesh):
       return (jnp.flip(self.op(x, axes, n, platform)),)
   with pytest.raises(hlo_check.HloMismatch, match="writes 4096 elements besides the collective"):
     program.build_timed(Reversing(), mesh, plan_scopes(topology, ["scale_up"])[0], 4096, "bfloat16", 10)
+
+
+# ------------------------------------------------------------------------------ operators and fp8 on XLA:GPU
+
+@pytest.mark.parametrize("base", ["all_reduce", "reduce_scatter"])
+def test_every_reduction_operator_compiles_to_its_nccl_reduction(gpu_mesh, base):
+  """max, min, prod and avg compile for H100 to the async collective with that reduction computation, in the
+  asked dtype, every repetition in the loop; avg is the sum times dtype(1/n) (the rounding
+  collectives.Reduction.finish expects on GPUs)."""
+  topology, mesh = gpu_mesh
+  plan = plan_scopes(topology, ["scale_out"])[0]
+  root = {"max": "maximum", "min": "minimum", "prod": "multiply", "avg": "add", "sum": "add"}
+  for op in ("sum", "max", "min", "prod", "avg"):
+    coll = collectives.with_op(base, op)
+    point = program.build_check(coll, mesh, plan, 4096, "bfloat16")
+    long = program.build_timed(coll, mesh, plan, 4096, "bfloat16", 10)
+    assert point.wire_dtype == "bfloat16" and long.verified.in_loop == 10, op
+    text = point.check_prog.hlo_text
+    start = next(line for line in text.splitlines() if f"{coll.hlo_op}-start(" in line)
+    reducer = start.split("to_apply=%")[1].split(",")[0].split()[0]
+    body = text.split(f"%{reducer} ")[1].split("\n}")[0]
+    assert f" {root[op]}(" in body, (op, body)
+    if op == "avg":
+      consts = [line for line in text.splitlines() if "bf16[] constant(" in line]
+      recip = float(program.as_dtype(np.float32(1) / np.float32(plan.group_size), "bfloat16"))
+      assert any(float(c.split("constant(")[1].split(")")[0]) == recip for c in consts), consts
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_data_collectives_run_in_fp8_on_gpus(gpu_mesh, dtype):
+  """all_gather, all_to_all, ppermute and broadcast keep fp8 on the wire (XLA:CPU widens it to float16)."""
+  topology, mesh = gpu_mesh
+  plan = plan_scopes(topology, ["global"])[0]
+  for name in ("all_gather", "all_to_all", "ppermute", "broadcast"):
+    coll = collectives.get(name)
+    point = program.build_check(coll, mesh, plan, 4096, dtype)
+    long = program.build_timed(coll, mesh, plan, 4096, dtype, 10)
+    assert point.wire_dtype == dtype and long.verified.in_loop == 10, name
+  assert collectives.get("all_reduce").refuses(dtype) and collectives.get("reduce_scatter_max").refuses(dtype)

@@ -95,12 +95,15 @@ def chunk_step(dtype: str, n: int, count: int | None) -> tuple[int, int]:
   return ch, w
 
 
-def alphabet_values(dtype: str) -> np.ndarray:
-  """The data family's M distinct values, exact in `dtype` (int64): -M/2 .. M/2 - 1, or for fp8 the M
+def data_value(dtype: str, w: np.ndarray) -> np.ndarray:
+  """The data family's value of alphabet letter w in [0, M): w - M/2, or for fp8 the w-th of the M
   representable integers nearest zero (fp8 holds every integer only up to 8 or 16)."""
+  return _fp8_letters(dtype)[w] if dtype in FP8 else w - ALPHABET[dtype] // 2
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_letters(dtype: str) -> np.ndarray:
   m = ALPHABET[dtype]
-  if dtype not in FP8:
-    return np.arange(m, dtype=np.int64) - m // 2
   ints = np.arange(-1024, 1025, dtype=np.int64)
   held = ints[np.asarray(ints.astype(np.dtype(dtype)).astype(np.float64)) == ints]
   mid = int(np.searchsorted(held, 0))
@@ -219,7 +222,7 @@ class GroupInputs:
     if self.kind != "data":
       return self.sum_at(ranks, i)
     m = ALPHABET[self.dtype]
-    return alphabet_values(self.dtype)[_hash(m, self.group_index, ranks, i, self.run)]
+    return data_value(self.dtype, _hash(m, self.group_index, ranks, i, self.run))
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
     if self.kind != "data":

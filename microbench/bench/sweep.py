@@ -180,6 +180,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       "collective": coll.name, "scope": plan.name, "dtype": dtype, "requested_bytes": requested,
       "bytes": count * itemsize, "count": count, "group_size": n, "num_groups": plan.num_groups,
       "iters": cfg.iters, "samples": cfg.samples, "warmup": cfg.warmup, "impl": coll.impl(platform),
+      **({"op": coll.redop} if coll.redop else {}),
       "num_processes": jax.process_count(), "point": index, "of_points": total,
   }
   if also_requested:
@@ -328,7 +329,15 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   if not active:
     out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
               " nothing, and XLA removes it); no point is recorded")
-  blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes]
+  blocks = []
+  for c in cfg.collectives:
+    for d in cfg.dtypes:
+      reason = collectives.get(c).refuses(d)
+      if reason:
+        out.print(f"# {c} in {d} skipped: {reason}")
+      else:
+        blocks.extend((c, p, d) for p in active)
+  blocks.sort(key=lambda b: (cfg.collectives.index(b[0]), active.index(b[1]), cfg.dtypes.index(b[2])))
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)

@@ -13,7 +13,7 @@ import sys
 from absl import app, flags
 
 from meshes.scopes import SCOPES
-from microbench.bench import collectives, run as bench_run, sizes, sweep
+from microbench.bench import collectives, reduce_ops, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import link_peaks, machine
@@ -23,6 +23,8 @@ FLAGS = flags.FLAGS
 
 flags.DEFINE_list("collectives", ["all"], f"Collectives to run, or 'all': {', '.join(collectives.NAMES)}.")
 flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPES)}.")
+flags.DEFINE_list("op", ["sum"], "Reduction operator(s) of all_reduce and reduce_scatter (nccl-tests' -o), or 'all':"
+                  f" {', '.join(reduce_ops.OPS)}. Other collectives have none.")
 flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G).")
 flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
 flags.DEFINE_float("step_factor", 2.0, "Multiply the size by this between points (> 1).")
@@ -52,7 +54,7 @@ flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process R
 flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RANK hangs in point POINT+1's timed"
                     " runs, like a collective that never returns.")
 
-SWEEP_FLAGS = ("collectives", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
+SWEEP_FLAGS = ("collectives", "op", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
                "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout", "target")
 
 
@@ -63,6 +65,24 @@ def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str
   if bad or not values:
     raise app.UsageError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)} or all")
   return tuple(dict.fromkeys(values))
+
+
+def _with_ops(names: tuple[str, ...], ops: tuple[str, ...], dtypes: tuple[str, ...], explicit: bool
+              ) -> tuple[str, ...]:
+  """Each reduction once per operator (all_reduce, all_reduce_max, ...), the others once. A collective the user
+  named that can run in none of the asked dtypes is refused (one line); with 'all' such pairs are skipped by the
+  sweep, which says so."""
+  out = []
+  for name in names:
+    for op in ops:
+      coll = collectives.with_op(name, op)
+      if coll.name in out:
+        continue
+      reasons = [coll.refuses(d) for d in dtypes]
+      if explicit and all(reasons):
+        raise app.UsageError(reasons[0])
+      out.append(coll.name)
+  return tuple(out)
 
 
 def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] | None:
@@ -104,10 +124,13 @@ def config_from_flags() -> sweep.SweepConfig:
   except link_peaks.LinkPeakError as e:
     raise app.UsageError(str(e)) from None
   hang = _rank_value(FLAGS.inject_hang, "inject_hang", 1)
+  dtypes = _choose(FLAGS.dtype, tuple(DTYPES), "dtype")
   return sweep.SweepConfig(
-      collectives=_choose(FLAGS.collectives, collectives.NAMES, "collective"),
+      collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective"),
+                            _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,
+                            explicit=FLAGS.collectives != ["all"]),
       scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
-      dtypes=_choose(FLAGS.dtype, tuple(DTYPES), "dtype"),
+      dtypes=dtypes,
       min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
       sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,

@@ -12,6 +12,11 @@ UNITS = _ROW.format(bytes="", count="(elements)", dtype="", scope="", group_size
                     time="median", algbw="(GB/s)", busbw="(GB/s)", wrong="", flag="")
 
 
+def _short(dtype: str) -> str:
+  """The type column is 8 wide: float8_e4m3fn is shown as XLA names it, f8e4m3fn."""
+  return dtype.replace("float8_", "f8")
+
+
 def _compiled_row(r: dict[str, Any]) -> str:
   """A point compiled for a GPU target: the op as emitted, how often it runs where, memory and fit."""
   ops = "/".join(r.get("op_emitted", [])) or "?"
@@ -25,7 +30,7 @@ def _compiled_row(r: dict[str, Any]) -> str:
   if r.get("fits") is False:
     text += (f"  DOES NOT FIT ({r['usable_bytes'] / 2**30:.1f} GiB usable of {r['device_memory_bytes'] / 2**30:.1f}"
              " GiB)")
-  return (f"{r['bytes']:>12} {r['count']:>11} {r['dtype']:>8} {r['scope']:>10} {r['group_size']:>4} "
+  return (f"{r['bytes']:>12} {r['count']:>11} {_short(r['dtype']):>8} {r['scope']:>10} {r['group_size']:>4} "
           f"{r['num_groups']:>4}  {text}")
 
 
@@ -33,7 +38,7 @@ def format_row(r: dict[str, Any]) -> str:
   if r["status"] == "compiled":
     return _compiled_row(r)
   if r["status"] != "ok":
-    return (f"{r.get('bytes', r.get('requested_bytes', '')):>12} {r.get('count', ''):>11} {r['dtype']:>8} "
+    return (f"{r.get('bytes', r.get('requested_bytes', '')):>12} {r.get('count', ''):>11} {_short(r['dtype']):>8} "
             f"{r['scope']:>10} {r.get('group_size', ''):>4} {r.get('num_groups', ''):>4}  "
             f"{r['status']}: {r.get('reason', '')}")
   flag = ""
@@ -48,7 +53,7 @@ def format_row(r: dict[str, Any]) -> str:
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
-  return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=r["dtype"], scope=r["scope"],
+  return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=_short(r["dtype"]), scope=r["scope"],
                      group_size=r["group_size"], num_groups=r["num_groups"], time=f"{r['time_us']:.2f}",
                      algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}", wrong=wrong, flag=flag)
 
@@ -60,7 +65,7 @@ def summary(records: list[dict[str, Any]]) -> str:
     if r["status"] == "ok":
       acc[(r["collective"], r["scope"], r["dtype"])].append(r["busbw_gbps"])
   lines = ["# Avg bus bandwidth (GB/s, mean over sizes)",
-           f"# {'collective':<16} {'scope':<11} {'dtype':<9} {'points':>6} {'avg busbw':>10} {'max busbw':>10}"]
+           f"# {'collective':<19} {'scope':<11} {'dtype':<13} {'points':>6} {'avg busbw':>10} {'max busbw':>10}"]
   for (c, s, d), vals in acc.items():
-    lines.append(f"# {c:<16} {s:<11} {d:<9} {len(vals):>6} {sum(vals) / len(vals):>10.3f} {max(vals):>10.3f}")
+    lines.append(f"# {c:<19} {s:<11} {d:<13} {len(vals):>6} {sum(vals) / len(vals):>10.3f} {max(vals):>10.3f}")
   return "\n".join(lines)
