@@ -63,6 +63,23 @@ def test_timed_programs_loop_on_the_device_without_copies(mesh, name):
   assert t_short.shape == t_long.shape == (3,) and (t_short > 0).all() and (t_long > 0).all()
 
 
+def test_a_resolved_point_stops_after_the_minimum_pairs(mesh):
+  """time_pairs asks `resolved` once, after program.MIN_SAMPLES pairs: yes stops there, no runs them all; the
+  carry holds exactly the repetitions run either way (the timed check counts on it)."""
+  plan, count, coll = PLANS["scale_up"], 64, collectives.get("ppermute")
+  point = program.build_check(coll, mesh, plan, count, "int32")
+  short = program.build_timed(coll, mesh, plan, count, "int32", program.SHORT_REPS)
+  long = program.build_timed(coll, mesh, plan, count, "int32", 6)
+  asked = []
+  for answer, pairs in ((True, program.MIN_SAMPLES), (False, 8)):
+    point.x = None
+    t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 8, lambda: None,
+                                                resolved=lambda s, l, a=answer: asked.append(len(s)) or a)
+    assert len(t_short) == len(t_long) == pairs
+    assert program.check_timed(point, carry, (1 + pairs) * 8)[0] == 0
+  assert asked == [program.MIN_SAMPLES] * 2
+
+
 @pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_to_all", "all_gather"])
 @pytest.mark.parametrize("dtype", ["int32", "float16"])
 def test_other_dtypes(mesh, name, dtype):

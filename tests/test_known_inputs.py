@@ -261,3 +261,15 @@ def test_every_operator_catches_every_broken_reduction_at_every_group_size(op, d
   if gaps:
     assert min(n for n, _ in gaps) == {"bfloat16": 145, "float16": 2107}[dtype], sorted(gaps)[:3]
     print(f"avg {dtype}: a halved rank is not seen at {len(gaps)} group sizes from {min(gaps)[0]} (small messages)")
+
+
+def test_the_tiled_whole_message_rule_equals_the_rule():
+  """The sweep's fast path (known_inputs.GroupInputs._whole_rule, periodic parts tiled in int32) gives the
+  element-wise rule's values exactly, chunked or not, any run and group."""
+  for kind in ("sum", "prod", "max", "min"):
+    for dtype in ("bfloat16", "int32"):
+      for n, count in ((2, 2), (3, 999), (8, 1 << 14), (72, 72 * 5), (513, 1000), (4096, 65521 + 7)):
+        x = ki.GroupInputs(kind, dtype, n, 3, count, 1)
+        fast, slow = x._whole_rule(), x._rule(np.arange(count, dtype=np.int64))
+        for a, b in zip(fast, slow):
+          np.testing.assert_array_equal(a.astype(np.int64), b)

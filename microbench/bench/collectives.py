@@ -13,6 +13,7 @@ Adding one: subclass `Collective`, fill in the few methods, decorate with `@regi
 from __future__ import annotations
 
 import abc
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -215,11 +216,8 @@ class AllGather(Collective):
     return _from_chunks(in_count, start, stop, lambda q, a, b: inputs.rank(q, a, b))
 
   def after(self, inputs, rank, in_count, reps):
-    first = float(inputs.rank(0, 0, 1)[0])  # every step writes the gathered first element (rank 0's) into x[0]
-    shards = [inputs.rank(q, 0, in_count).astype(np.float64) for q in range(inputs.n)]
-    for shard in shards:
-      shard[0] = first
-    return shards[rank], np.concatenate(shards)
+    shards, gathered = _gathered_after(inputs, in_count)
+    return shards[rank], gathered
 
 
 @register
@@ -354,6 +352,17 @@ class PPermute(Collective):
 
   def after(self, inputs, rank, in_count, reps):
     return (inputs.rank((rank - reps) % inputs.n, 0, in_count).astype(np.float64),)
+
+
+@functools.lru_cache(maxsize=2)
+def _gathered_after(inputs: GroupInputs, in_count: int) -> tuple[list[np.ndarray], np.ndarray]:
+  """All-gather's carry after the repetitions: every step writes the gathered first element (rank 0's) into
+  x[0]; the gathered output is the same on every rank of the group (built once per group, not per rank)."""
+  first = float(inputs.rank(0, 0, 1)[0])
+  shards = [inputs.rank(q, 0, in_count).astype(np.float64) for q in range(inputs.n)]
+  for shard in shards:
+    shard[0] = first
+  return shards, np.concatenate(shards)
 
 
 def _as(values, dtype: str) -> np.ndarray:

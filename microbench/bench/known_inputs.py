@@ -187,9 +187,32 @@ class GroupInputs:
     group's ranks all read the same rule)."""
     if self.count and self.count <= _CACHED and 0 <= a <= b <= self.count:
       if self._cache is None:
-        self._cache = tuple(x.astype(np.int32) for x in self._rule(np.arange(self.count, dtype=np.int64)))
+        self._cache = self._whole_rule()
       return tuple(x[a:b] for x in self._cache)
     return self._rule(np.arange(a, max(a, b), dtype=np.int64))
+
+  def _whole_rule(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_rule` over the whole message in int32, from its periodic parts tiled at memcpy speed: the window
+    start repeats every n elements, q every PERIOD, T every L (or chunk by chunk): the same values (tests
+    compare them) several times faster for multi-MiB messages."""
+    count, n, k = self.count, self.n, self.k
+    offset = self.run * count
+    start = _repeat((((np.arange(n, dtype=np.int64) + offset) * k) % n).astype(np.int32), count)
+    h = _constants(1 << 24)[0][(np.arange(PERIOD) + 977 * self.group_index) % PERIOD]
+    q = _repeat((1 + h % self.q_max).astype(np.int32), count)
+    modulus, g = _modulus(self.dtype), GROUP_STEP * self.group_index
+    if self.chunk:
+      c, w = np.arange(n, dtype=np.int64), self.step
+      f = (c * w) % modulus
+      if (n - 1) * w % modulus == 0:
+        f = np.where(c == n - 1, (-2 * w) % modulus, f)
+      residue = (np.arange(self.chunk, dtype=np.int64)[None, :] + (f + g)[:, None]) % modulus
+      target = (_base(self.dtype) + residue).astype(np.int32).reshape(-1)
+    else:
+      period = min(modulus, count)  # L is up to 1.3e8 (int32): never build more than the message
+      target = _repeat((_base(self.dtype) + (np.arange(period, dtype=np.int64) + g) % modulus).astype(np.int32),
+                       count)
+    return start, q, target - np.int32(self.k - 1) * q
 
   def sum_at(self, ranks: np.ndarray, i: np.ndarray) -> np.ndarray:
     """Reductions: the values of `ranks` at elements `i`, broadcast against each other (any shapes)."""
@@ -198,6 +221,8 @@ class GroupInputs:
 
   def _values_from(self, ranks, start, q, last) -> np.ndarray:
     """Each rank's value from its slot in the element's window (see the module docstring, per kind)."""
+    if np.ndim(ranks) == 0:
+      ranks = np.asarray(ranks, np.asarray(start).dtype)  # int32 rules stay int32
     slot = (ranks - start) % self.n
     k = self.k
     if self.kind == "sum":  # K-1 ranks hold q, the last T - (K-1) q, the others 0
@@ -253,6 +278,12 @@ def group_inputs(kind: str, dtype: str, n: int, group_index: int, count: int | N
                  run: int = 0) -> GroupInputs:
   """Shared across points: a period is computed once per run."""
   return GroupInputs(kind, dtype, n, group_index, count, run)
+
+
+def _repeat(pattern: np.ndarray, count: int) -> np.ndarray:
+  """`pattern` repeated to `count` elements (np.resize concatenates one copy per repeat: slow for short
+  patterns; np.tile copies in one go)."""
+  return np.tile(pattern, -(-count // len(pattern)))[:count]
 
 
 def _tile(period: np.ndarray, start: int, stop: int) -> np.ndarray:

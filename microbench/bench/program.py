@@ -273,10 +273,12 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int) -> tuple[
   for slot, (arr, per_rank) in enumerate(zip(carry, counts)):
     for shard in arr.addressable_shards:
       gi, rank = where[(shard.index[0].start or 0) // per_rank]
-      want = coll.after(inputs[gi], rank, point.in_count, reps)[slot]
-      got = np.asarray(shard.data).astype(np.float64)
-      known = ~np.isnan(want)
-      wrong += int(np.count_nonzero(got[known] != as_dtype(want[known], point.dtype).astype(np.float64)))
+      want = np.array(coll.after(inputs[gi], rank, point.in_count, reps)[slot], np.float64)
+      unknown = np.flatnonzero(np.isnan(want))  # a few elements at most
+      want[unknown] = 0
+      differs = np.asarray(shard.data) != as_dtype(want, point.dtype)  # in the dtype: no float64 copy of got
+      differs[unknown] = False
+      wrong += int(np.count_nonzero(differs))
   return wrong, f"compared after the {reps} repetitions timed"
 
 
@@ -304,13 +306,20 @@ def _run(prog: Compiled, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
   return out
 
 
+MIN_SAMPLES = 5  # pairs a point always takes; past them it stops once `resolved` says so (see time_pairs)
+
+
 def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], warmup: int, samples: int,
-               barrier: Callable[[], None], inject_delay_s: float = 0.0
+               barrier: Callable[[], None], inject_delay_s: float = 0.0,
+               resolved: Callable[[np.ndarray, np.ndarray], bool] | None = None
                ) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
-  """Seconds per call of each arm, `samples` of each, alternating (the order flips every pair so neither
-  arm always runs first), and the final carry. The carry flows from call to call, donated each time, so the
-  final one holds (warmup + samples) x (short + long) repetitions of the op (check_timed compares it).
-  `inject_delay_s` (fault injection) is added per operation, so it survives the difference."""
+  """Seconds per call of each arm, up to `samples` of each, alternating (the order flips every pair so
+  neither arm always runs first), and the final carry. The carry flows from call to call, donated each time,
+  so the final one holds (warmup + pairs taken) x (short + long) repetitions of the op (check_timed compares
+  it). After MIN_SAMPLES pairs, once, `resolved(t_short, t_long)` may end the point early: a point whose
+  median is already resolved gains little from more pairs (a multi-process job must answer the same on every
+  process: the sweep's answer is gathered). `inject_delay_s` (fault injection) is added per operation, so it
+  survives the difference."""
   for _ in range(warmup):
     carry = _run(long, _run(short, carry))
   t_short, t_long = [], []
@@ -322,6 +331,8 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
       if inject_delay_s:
         time.sleep(inject_delay_s * prog.reps)
       (t_short if prog is short else t_long).append(time.perf_counter() - t0)
+    if resolved is not None and i + 1 == MIN_SAMPLES < samples and resolved(np.asarray(t_short), np.asarray(t_long)):
+      break
   return np.asarray(t_short), np.asarray(t_long), carry
 
 

@@ -126,6 +126,16 @@ def longer_reps(reps: int, stats: dict[str, Any], iters: int) -> int | None:
   return want if want > reps else None
 
 
+def _resolved(reps_short: int, reps_long: int):
+  """time_pairs' early stop: the pairs so far, gathered from every process, resolve the median per-operation
+  time to NOISE_LIMIT with every sample positive (the same answer on every process)."""
+  def resolved(t_short: np.ndarray, t_long: np.ndarray) -> bool:
+    s, l = _gather(t_short).max(axis=0), _gather(t_long).max(axis=0)
+    per_op = (l - s) / (reps_long - reps_short)
+    return float(np.median(per_op)) > 0 and not resolution(per_op)["noisy"]
+  return resolved
+
+
 RETRY_LIMIT = 0.10  # ... and timed once more, longer, past this (when --sample_ms had capped it)
 NOISE_LIMIT = 0.05  # a point is NOISY when its median's 95% interval is wider than this share of it (each side)
 
@@ -236,7 +246,8 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
         if _hang_here(cfg, index):
           time.sleep(1e9)  # fault injection: a collective that never returns
-        t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay)
+        t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay,
+                                                    _resolved(short.reps, long.reps))
         t_short, t_long = _gather(t_short), _gather(t_long)
       stats = difference_stats(t_short, t_long, short.reps, long.reps)
       more = longer_reps(long.reps, stats, cfg.iters)
@@ -247,13 +258,14 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
           t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
-                                                      cfg.samples, barrier, delay)
+                                                      cfg.samples, barrier, delay, _resolved(short.reps, more))
           t_short, t_long = _gather(t_short), _gather(t_long)
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
+      rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
       if cfg.check:  # the timed calls' own output: the chained carry after every repetition they ran
         timed_wrong, rec["timed_check"] = program.check_timed(
-            point, carry, (cfg.warmup + cfg.samples) * (short.reps + long.reps))
+            point, carry, (cfg.warmup + rec["samples"]) * (short.reps + long.reps))
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
       del carry
   except Exception as e:  # pylint: disable=broad-except
@@ -286,17 +298,32 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
   return out
 
 
+_POOL: futures.ThreadPoolExecutor | None = None
+
+
+def _compile_pool() -> futures.ThreadPoolExecutor:
+  """One pool of three compile threads for the whole sweep (a pool per point spent seconds starting threads)."""
+  global _POOL
+  if _POOL is None:
+    _POOL = futures.ThreadPoolExecutor(3, thread_name_prefix="compile")
+  return _POOL
+
+
+def _submit(coll, mesh, plan, count: int, dtype: str, reps: int | None) -> list[futures.Future]:
+  pool = _compile_pool()
+  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
+          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
+  if reps:
+    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
+  return jobs
+
+
 def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None):
   """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long
   arm, compiled concurrently: XLA compiles release the GIL, and the three are independent."""
   if cfg.latency_mode:
     return program.build_check(coll, mesh, plan, count, dtype), None, None
-  with futures.ThreadPoolExecutor(3) as pool:
-    jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
-            pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
-    if reps:
-      jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
-    done = [j.result() for j in jobs]
+  done = [j.result() for j in _submit(coll, mesh, plan, count, dtype, reps)]
   return done[0], done[1], done[2] if reps else None
 
 

@@ -27,7 +27,8 @@ flags.DEFINE_list("op", ["sum"], "Reduction operator(s) of all_reduce and reduce
                   f" {', '.join(reduce_ops.OPS)}. Other collectives have none.")
 flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G).")
 flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
-flags.DEFINE_float("step_factor", 2.0, "Multiply the size by this between points (> 1).")
+flags.DEFINE_float("step_factor", 4.0, "Multiply the size by this between points (> 1; nccl-tests' -f 2 doubles the"
+                   " points and about the time).")
 flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}.")
 flags.DEFINE_integer("iters", 20, "Operations in the long timed program (even; the short one runs 2, the"
                      " reported time is the difference per added operation); an upper bound when --sample_ms"

@@ -162,11 +162,25 @@ class RunOutputs:
     self._results.flush()
     os.fsync(self._results.fileno())
     self._rows.append(rec)
-    write_csv(os.path.join(self.outdir, RESULTS_CSV), self._rows)
+    self._write_csv_row(rec)
     if rec["status"] == "ok":
       base = f"{rec['collective']}/{rec['scope']}/{rec['dtype']}"
       for tag, _ in METRICS:
         self._tb.scalar(f"{tag}/{base}", rec[tag], size_step(rec["bytes"]))
+
+  def _write_csv_row(self, rec: dict[str, Any]) -> None:
+    """Appends the record's row; the whole table is written again only when a record brings a new column
+    (a long sweep would otherwise rewrite its CSV once per point: quadratic)."""
+    path = os.path.join(self.outdir, RESULTS_CSV)
+    row = flatten(rec)
+    columns = getattr(self, "_csv_columns", None)
+    if columns is None or not set(row) <= set(columns) or not os.path.exists(path):
+      write_csv(path, self._rows)
+      with open(path, newline="", encoding="utf-8") as f:
+        self._csv_columns = next(csv.reader(f))
+      return
+    with open(path, "a", newline="", encoding="utf-8") as f:
+      csv.writer(f).writerow([_cell(row.get(c)) for c in columns])
 
   def close(self) -> None:
     if self._results:
