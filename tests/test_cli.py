@@ -102,6 +102,8 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--link_peaks=scale_out:fast"], "--link_peaks scale_out:fast: give GB/s"),
     (["stray"], "unexpected arguments"),
     (["--op=mean"], "unknown reduction operator mean: choose from sum, max, min, prod, avg or all"),
+    (["--profile_points=first"], "--profile_points=first: give point numbers"),
+    (["--profile_points=0"], "points are numbered from 1"),
     (["--collectives=all_reduce", "--dtype=float8_e4m3fn"], "XLA:GPU hands no fp8 reduction to NCCL"),
     (["--collectives=reduce_scatter", "--op=avg", "--dtype=int32"], "XLA has no integer average"),
 ])
@@ -257,3 +259,16 @@ def test_reduction_operators_and_fp8_in_one_sweep(tmp_path):
       assert x["timed_wrong"] == 0 and x["op"] in ("max", "min")
   assert "# all_reduce_prod in float8_e5m2 skipped: " in r.stdout
   assert " f8e5m2 " in r.stdout
+
+
+def test_profile_points_trace_the_chosen_point_into_the_run_folder(tmp_path):
+  """--profile_points=2 traces the second point after its measurement: an XPlane trace under the run folder's
+  plugins/profile (TensorBoard's Profile tab) holding the all-reduce's execution; the other point has none."""
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=all_reduce", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=4K",
+               "--profile_points=2", f"--outdir={out}"], timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+  recs = [json.loads(line) for line in open(out / "results.jsonl")]
+  assert [x.get("profile") for x in recs] == [None, str(out / "plugins" / "profile")]
+  traces = list((out / "plugins" / "profile").rglob("*.xplane.pb"))
+  assert len(traces) == 1 and b"all-reduce" in traces[0].read_bytes()

@@ -94,6 +94,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     hosts = distributed.process_hosts()
   if not target:  # a compile-only run reports each point's fit instead
     _check_memory(cfg)
+  if cfg.profile_points:
+    cfg = dataclasses.replace(cfg, profile_dir=outdir)
   plans = plan_scopes(topology, cfg.scopes)
   try:
     peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))

@@ -53,6 +53,8 @@ class SweepConfig:
   inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
   target: str | None = None        # --target: compile for this GPU kind's compile-only devices, run nothing
   device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)
+  profile_points: tuple[int, ...] = ()  # --profile_points: point numbers (as printed, from 1) to trace
+  profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
 
   @property
   def latency_mode(self) -> bool:
@@ -268,12 +270,37 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
             point, carry, (cfg.warmup + rec["samples"]) * (short.reps + long.reps))
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
       del carry
+      if index in cfg.profile_points and cfg.profile_dir:
+        with guard("profiled runs", (short.reps + long.reps) * (expected_op_s + delay)):
+          rec["profile"] = profile_point(point, short, long, cfg.profile_dir, describe_point(rec))
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
     return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
           "busbw_gbps": algbw * coll.busbw_factor(n)}
+
+
+def profile_point(point: program.Point, short: program.Compiled, long: program.Compiled, profile_dir: str,
+                  label: str) -> str | None:
+  """One call of each timed program under jax.profiler, after the point's timed runs and checks (the trace
+  costs nothing that is measured), from fresh known inputs. Every process runs the calls (a collective needs
+  all of them); process 0 writes the trace into `profile_dir`/plugins/profile, which TensorBoard's Profile
+  tab shows with the collective's kernels. Returns where (process 0) or None."""
+  carry = program.initial_carry(point)
+  tracing = jax.process_index() == 0
+  if tracing:
+    jax.profiler.start_trace(profile_dir)
+  try:
+    with jax.profiler.TraceAnnotation(f"microbench {label}"):
+      for prog in (short, long):
+        with jax.profiler.TraceAnnotation(f"{prog.reps} operations"):
+          carry = prog.fn(*carry)
+          jax.block_until_ready(carry)
+  finally:
+    if tracing:
+      jax.profiler.stop_trace()
+  return os.path.join(profile_dir, "plugins", "profile") if tracing else None
 
 
 def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,

@@ -46,6 +46,9 @@ flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nod
 flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
                     f" name ({', '.join(link_peaks.LINKS)}): e.g. scale_up:450,scale_out:ndr. Levels:"
                     f" {', '.join(link_peaks.LEVELS)}. Default: NVLink from the device kind; no NIC peak.")
+flags.DEFINE_list("profile_points", [], "Point numbers (as the table's progress counts them, from 1) to trace with"
+                  " jax.profiler after they are measured: one call of each timed program into the run folder"
+                  " (TensorBoard's Profile tab).")
 flags.DEFINE_string("outdir", None, "Run folder. Default: runs/<UTC timestamp>.")
 flags.DEFINE_string("resume", None, "Continue the interrupted run in this folder with its recorded flags,"
                     " skipping points already in its results.jsonl.")
@@ -55,7 +58,7 @@ flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process R
 flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RANK hangs in point POINT+1's timed"
                     " runs, like a collective that never returns.")
 
-SWEEP_FLAGS = ("collectives", "op", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
+SWEEP_FLAGS = ("collectives", "op", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
                "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout", "target")
 
 
@@ -126,6 +129,14 @@ def config_from_flags() -> sweep.SweepConfig:
     raise app.UsageError(str(e)) from None
   hang = _rank_value(FLAGS.inject_hang, "inject_hang", 1)
   dtypes = _choose(FLAGS.dtype, tuple(DTYPES), "dtype")
+  try:
+    profile = tuple(int(v) for v in FLAGS.profile_points)
+  except ValueError:
+    raise app.UsageError(f"--profile_points={','.join(FLAGS.profile_points)}: give point numbers, e.g. 1,5") from None
+  if any(v < 1 for v in profile):
+    raise app.UsageError(f"--profile_points={','.join(FLAGS.profile_points)}: points are numbered from 1")
+  if profile and FLAGS.iters == 1:
+    raise app.UsageError("--profile_points traces the timed programs: not in latency mode (--iters=1)")
   return sweep.SweepConfig(
       collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective"),
                             _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,
@@ -137,7 +148,7 @@ def config_from_flags() -> sweep.SweepConfig:
       sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks,
-      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target)
+      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile)
 
 
 def main(argv: list[str]) -> int:
