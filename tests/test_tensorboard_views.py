@@ -18,6 +18,7 @@ from tensorboard.plugins.scalar import scalars_plugin
 from werkzeug import test as wtest
 from werkzeug import wrappers
 
+from conftest import run_cli
 from microbench.output import run_folder
 from microbench.output.train_log import HPARAM_METRICS, HPARAMS, HPARAMS_LEAD, SUMMARY_STEP, TrainLog
 from test_report import synthetic_records
@@ -47,18 +48,20 @@ def write_sweep(path: str, records: list[dict]) -> None:
   out.close()
 
 
-def write_train(path: str, parallelism: str, tokens_per_device: float, mfu: float, steps: int) -> None:
+def write_train(path: str, parallelism: str, tokens_per_device: float, mfu: float | None, steps: int,
+                model: str = "gpt2", item: str = "tokens") -> None:
   log = TrainLog(path)
-  config = {"kind": "config", "model": "gpt2", "size": "tiny", "layers": 2, "parallelism": parallelism,
+  config = {"kind": "config", "model": model, "size": "tiny", "layers": 2, "parallelism": parallelism,
             "placement": "tp_inner", "mesh": "data=8", "batch": 8, "seq_len": 64, "dtype": "float32",
             "devices": 8, "processes": 1, "topology": "racks:1,nodes:2,gpus:4", "device_kind": "cpu"}
   log.line(config)
   log.hparams(config)
   for i in range(steps):
     log.scalars({"train/loss": 5.0 - 0.1 * i, "train/step_time_s": 0.01}, i)
-  log.summary({"kind": "summary", "model": "gpt2", "item": "tokens", "tokens_per_s_per_device": tokens_per_device,
-               "mfu": mfu, "median_step_time_s": 0.01, "memory_per_device_bytes": 2**20, "flops_formula": "text",
-               "comm": {"all-reduce": {"count": 1, "bytes": 4096}}})
+  log.summary({"kind": "summary", "model": model, "item": item, f"{item}_per_s_per_device": tokens_per_device,
+               f"{item}_per_s": 8 * tokens_per_device, "mfu": mfu, "median_step_time_s": 0.01,
+               "tflops_per_device": 0.5, "memory_per_device_bytes": 2**20, "compile_time_s": 1.5,
+               "final_loss": 4.0, "flops_formula": "text", "comm": {"all-reduce": {"count": 1, "bytes": 4096}}})
   log.close()
 
 
@@ -66,10 +69,14 @@ def write_train(path: str, parallelism: str, tokens_per_device: float, mfu: floa
 def logdir(tmp_path_factory):
   root = tmp_path_factory.mktemp("runs")
   sizes = [1024, 2048, 4096, 3 * 2**20]
-  write_sweep(str(root / "sweep_a"), synthetic_records(20.0, 40.0, sizes=sizes))
+  records = synthetic_records(20.0, 40.0, sizes=sizes)
+  for r in records:  # a sample spread as real sweeps record it
+    r.update(time_us_min=0.8 * r["time_us"], time_us_max=1.2 * r["time_us"])
+  write_sweep(str(root / "sweep_a"), records)
   write_sweep(str(root / "sweep_b"), synthetic_records(10.0, 80.0, sizes=sizes))
   write_train(str(root / "train" / "dp8"), "dp:8", 1000.0, 0.25, steps=10)
   write_train(str(root / "train" / "fsdp4_tp2"), "fsdp:4,tp:2", 1250.0, 0.3, steps=4)
+  write_train(str(root / "train" / "vit_dp4"), "dp:4", 90.0, None, steps=3, model="vit", item="images")
   return str(root)
 
 
@@ -84,6 +91,32 @@ def test_sweep_scalars_step_on_ten_log2_bytes(logdir):
   assert [p.value for p in points] == pytest.approx([r["busbw_gbps"] for r in recs])
   assert [r["bytes"] for r in recs] == [1024, 2048, 4096, 3 * 2**20]  # exact sizes stay in the records
   assert {f"time_us/{c}/{s}/float32" for c in COLLECTIVES for s in SCOPES} <= set(data["sweep_b"])
+
+
+def test_sweep_tags_describe_the_step_and_series_figures_are_scalars(logdir):
+  _, provider = tensorboard(logdir)
+  ctx = tb_request.RequestContext()
+  listed = provider.list_scalars(ctx, experiment_id="", plugin_name="scalars")["sweep_a"]
+  base = "all_reduce/scale_up/float32"
+  for tag in ("busbw_gbps", "time_us", "wrong", "time_spread", "busbw_avg_gbps"):
+    assert "200 = 1 MiB" in listed[f"{tag}/{base}"].description, tag  # the x axis explained beside each chart
+  data = provider.read_scalars(ctx, experiment_id="", plugin_name="scalars", downsample=1000)["sweep_a"]
+  recs = [r for r in run_folder.read_results(os.path.join(logdir, "sweep_a"))
+          if (r["collective"], r["scope"]) == ("all_reduce", "scale_up")]
+  assert [(p.step, p.value) for p in data[f"wrong/{base}"]] == [(100, 0.0), (110, 0.0), (120, 0.0), (216, 0.0)]
+  assert [p.value for p in data[f"time_spread/{base}"]] == pytest.approx([1.5] * 4)  # 1.2 / 0.8
+  (avg,) = data[f"busbw_avg_gbps/{base}"]  # once per series, at its largest size
+  assert avg.step == 216 and avg.value == pytest.approx(sum(r["busbw_gbps"] for r in recs) / 4)
+  assert f"time_spread/{base}" not in provider.list_scalars(ctx, experiment_id="", plugin_name="scalars")["sweep_b"]
+
+
+def test_a_step_factor_that_would_put_two_sizes_on_one_step_is_refused():
+  assert run_folder.size_step(2**20) != run_folder.size_step(round(2**20 * run_folder.MIN_STEP_FACTOR))
+  assert run_folder.size_step(2**20) == run_folder.size_step(round(2**20 * 1.02))  # what the check prevents
+  r = run_cli(["--step_factor=1.02", "--min_bytes=1K", "--max_bytes=1M"], timeout=60)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and lines == ["microbench: error: --step_factor=1.02 puts neighbouring sizes on one"
+                                         " TensorBoard step (step = round(10 x log2(bytes))): use >= 1.0718"], r.stderr
 
 
 def test_sweep_text_says_what_the_step_is(logdir):
@@ -101,7 +134,7 @@ def test_custom_scalars_layout_charts_per_collective_and_per_scope(logdir):
   plugin = custom_scalars_plugin.CustomScalarsPlugin(ctx)
   layout = json.loads(plugin.layout_impl(tb_request.RequestContext(), ""))
   cats = {c["title"]: c["chart"] for c in layout["category"]}
-  assert len(cats) == 4  # the two runs' identical layouts merge
+  assert len(cats) == 2 * len(run_folder.METRICS)  # per collective and per scope; the runs' layouts merge
   by_coll = cats["busbw (GB/s) " + run_folder._BY_COLLECTIVE]  # pylint: disable=protected-access
   by_scope = cats["time (us) " + run_folder._BY_SCOPE]  # pylint: disable=protected-access
   assert [c["title"] for c in by_coll] == ["all_reduce: busbw (GB/s)", "all_gather: busbw (GB/s)"]
@@ -136,13 +169,23 @@ def test_training_runs_are_hparams_sessions_with_summary_metrics(logdir):
                                                   "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN"],
                                                   "colParams": cols})
   sessions = {g["hparams"]["parallelism"]: g for g in groups["sessionGroups"]}
-  assert set(sessions) == {"dp:8", "fsdp:4,tp:2"}  # sweeps are not sessions
+  assert set(sessions) == {"dp:8", "fsdp:4,tp:2", "dp:4"}  # sweeps are not sessions
   fsdp = sessions["fsdp:4,tp:2"]
   assert fsdp["hparams"]["devices"] == 8 and fsdp["hparams"]["model"] == "gpt2"
   metrics = {m["name"]["tag"]: m["value"] for m in fsdp["metricValues"]}
-  assert metrics["summary/tokens_per_s_per_device"] == 1250.0 and metrics["summary/mfu"] == pytest.approx(0.3)
-  assert metrics["summary/comm_bytes/all-reduce"] == 4096.0
+  assert metrics["summary/items_per_s_per_device"] == 1250.0 and metrics["summary/items_per_s"] == 10000.0
   assert fsdp["sessions"][0]["status"] == "STATUS_SUCCESS"
+  vit = {m["name"]["tag"]: m["value"] for m in sessions["dp:4"]["metricValues"]}
+  assert vit["summary/items_per_s_per_device"] == 90.0  # images/s in the same column as tokens/s
+  # Every run, language or image model, with or without a known peak, has every default metric column:
+  # TensorBoard's parallel coordinates drop a session missing any, so none is dropped.
+  for group in groups["sessionGroups"]:
+    assert {m["name"]["tag"] for m in group["metricValues"]} == set(HPARAM_METRICS), group["hparams"]
+  # The figures not every run has are still scalars.
+  data = provider.read_scalars(tb_request.RequestContext(), experiment_id="", plugin_name="scalars", downsample=100)
+  assert data["train/fsdp4_tp2"]["summary/mfu"][0].value == pytest.approx(0.3)
+  assert data["train/fsdp4_tp2"]["summary/comm_bytes/all-reduce"][0].value == 4096.0
+  assert "summary/mfu" not in data["train/vit_dp4"]
   # Summary scalars sit at one step in every run, whatever its length.
   data = provider.read_scalars(tb_request.RequestContext(), experiment_id="", plugin_name="scalars", downsample=100)
   for run in ("train/dp8", "train/fsdp4_tp2"):

@@ -110,6 +110,9 @@ def config_from_flags() -> sweep.SweepConfig:
     raise app.UsageError(f"--min_bytes={FLAGS.min_bytes} is larger than --max_bytes={FLAGS.max_bytes}")
   if FLAGS.step_factor <= 1 and lo < hi:
     raise app.UsageError(f"--step_factor={FLAGS.step_factor} must be > 1")
+  if FLAGS.step_factor < run_folder.MIN_STEP_FACTOR and lo < hi:
+    raise app.UsageError(f"--step_factor={FLAGS.step_factor} puts neighbouring sizes on one TensorBoard step"
+                         f" (step = round(10 x log2(bytes))): use >= {run_folder.MIN_STEP_FACTOR:.4f}")
   for name in ("iters", "samples"):
     if getattr(FLAGS, name) < 1:
       raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")

@@ -36,6 +36,21 @@ _BY_SCOPE = "per scope: a line per collective/dtype; step = 10 log2(bytes)"
 METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"))
 
 
+# Consecutive sizes a factor f apart are 10 x log2(f) steps apart: below 2^0.1 two sizes could round to one step.
+MIN_STEP_FACTOR = 2 ** 0.1
+# Each scalar tag's description (TensorBoard shows it beside the chart), so the x axis is explained where it is read.
+STEP_NOTE = ("x = step = round(10 x log2(bytes)): 100 = 1 KiB, 200 = 1 MiB, 230 = 8 MiB, 300 = 1 GiB;"
+             " exact sizes in results.jsonl.")
+DESCRIPTIONS = {
+    "busbw_gbps": "Bus bandwidth (GB/s) per size.",
+    "time_us": "Median time per operation (us) per size.",
+    "time_spread": "Slowest over fastest sample's time (time_us_max / time_us_min; 1 = no spread) per size.",
+    "wrong": "Wrong elements found by the check at this size (0 expected).",
+    "busbw_avg_gbps": ("Average busbw over the series' measured sizes (nccl-tests' 'Avg bus bandwidth'), written"
+                       " once, at the series' largest size, when the run closes."),
+}
+
+
 def size_step(nbytes: int) -> int:
   return round(10 * math.log2(nbytes))
 
@@ -163,10 +178,29 @@ class RunOutputs:
     os.fsync(self._results.fileno())
     self._rows.append(rec)
     self._write_csv_row(rec)
-    if rec["status"] == "ok":
-      base = f"{rec['collective']}/{rec['scope']}/{rec['dtype']}"
-      for tag, _ in METRICS:
-        self._tb.scalar(f"{tag}/{base}", rec[tag], size_step(rec["bytes"]))
+    if rec["status"] == "ok" and self._tb:
+      base, step = f"{rec['collective']}/{rec['scope']}/{rec['dtype']}", size_step(rec["bytes"])
+      values = {tag: rec[tag] for tag, _ in METRICS if rec.get(tag) is not None}  # % of peak: None if unknown
+      if rec.get("wrong") is not None:
+        values["wrong"] = rec["wrong"]
+      if rec.get("time_us_min") and rec.get("time_us_max") is not None:
+        values["time_spread"] = rec["time_us_max"] / rec["time_us_min"]
+      for tag, v in values.items():
+        self._scalar(tag, base, v, step)
+
+  def _scalar(self, tag: str, base: str, value: float, step: int) -> None:
+    desc = DESCRIPTIONS.get(tag, dict(METRICS).get(tag, tag)) + " " + STEP_NOTE
+    self._tb.scalar(f"{tag}/{base}", value, step, description=desc)
+
+  def _write_averages(self) -> None:
+    """Each series' average busbw (this session's and any resumed points, latest per point) at its largest step."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in latest(self._rows):
+      if r.get("status") == "ok" and r.get("busbw_gbps") is not None:
+        series.setdefault(f"{r['collective']}/{r['scope']}/{r['dtype']}", []).append(r)
+    for base, recs in series.items():
+      self._scalar("busbw_avg_gbps", base, sum(r["busbw_gbps"] for r in recs) / len(recs),
+                   size_step(max(r["bytes"] for r in recs)))
 
   def _write_csv_row(self, rec: dict[str, Any]) -> None:
     """Appends the record's row; the whole table is written again only when a record brings a new column
@@ -183,7 +217,10 @@ class RunOutputs:
       csv.writer(f).writerow([_cell(row.get(c)) for c in columns])
 
   def close(self) -> None:
+    """Idempotent (a watchdog may close before the sweep's own exit path does)."""
     if self._results:
       self._results.close()
     if self._tb:
+      self._write_averages()
       self._tb.close()
+      self._tb = None

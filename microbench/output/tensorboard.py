@@ -40,14 +40,23 @@ class TensorBoardLog:
   def __init__(self, logdir: str, flush_each: bool = True):
     self._writer = EventFileWriter(logdir)
     self._flush_each = flush_each
+    self._described: set[str] = set()
 
   def _add(self, summary: summary_pb2.Summary, step: int) -> None:
     self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
     if self._flush_each:
       self._writer.flush()
 
-  def scalar(self, tag: str, value: float, step: int) -> None:
-    self._add(summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(value))]), step)
+  def scalar(self, tag: str, value: float, step: int, description: str = "") -> None:
+    """One point; a description (TensorBoard shows it by the chart) goes with the tag's first point only, the
+    one TensorBoard reads."""
+    v = summary_pb2.Summary.Value(tag=tag, simple_value=float(value))
+    if description and tag not in self._described:
+      self._described.add(tag)
+      v.metadata.CopyFrom(summary_pb2.SummaryMetadata(
+          summary_description=description,
+          plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")))
+    self._add(summary_pb2.Summary(value=[v]), step)
 
   def text(self, tag: str, text: str, step: int = 0) -> None:
     meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))

@@ -26,21 +26,16 @@ HPARAMS = {"model": "string", "size": "string", "layers": "number", "parallelism
            "schedule": "string", "microbatches": "number", "virtual_stages": "number", "context_impl": "string",
            "moe_dispatch_impl": "string", "capacity_factor": "number", "preset": "string"}
 HPARAMS_LEAD = ("model", "size", "parallelism", "placement", "devices")  # the columns shown by default
-COMM_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# The HParams metric columns: only figures every finished run reports. TensorBoard's parallel coordinates and
+# scatter plots drop a session lacking any shown metric, so one column only image models fill (images/s), or
+# only runs with a known peak (MFU), would empty the view for the rest. Throughput is one column whatever the
+# item (`summary/items_per_s_per_device`: tokens or images); the other summary figures (MFU, bubble, all-to-all
+# share, bytes per collective) stay scalars under `summary/` in the Scalars tab.
 HPARAM_METRICS = {
-    "summary/tokens_per_s_per_device": "tokens/s per device", "summary/images_per_s_per_device": "images/s per device",
-    "summary/tokens_per_s": "tokens/s", "summary/images_per_s": "images/s", "summary/mfu": "MFU (causal)",
-    "summary/mfu_full_attention": "MFU (full attention)",
-    "summary/tflops_per_device": "TFLOP/s per device", "summary/median_step_time_s": "step time (s)",
-    "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/compile_time_s": "compile time (s)",
-    "summary/bubble_measured": "pipeline bubble (measured)", "summary/bubble_theory": "pipeline bubble (theory)",
-    "summary/bubble_measured_ci_low": "pipeline bubble 95% low", "summary/bubble_measured_ci_high":
-        "pipeline bubble 95% high", "summary/bubble_resolved": "pipeline bubble resolved (1 yes, 0 no)",
-    "summary/all_to_all_share": "all-to-all share", "summary/all_to_all_share_ci_low": "all-to-all share 95% low",
-    "summary/all_to_all_share_ci_high": "all-to-all share 95% high",
-    "summary/all_to_all_resolved": "all-to-all share resolved (1 yes, 0 no)",
-    "summary/moe_dropped_fraction": "MoE assignments dropped",
-    **{f"summary/comm_bytes/{op}": f"{op} bytes per step per device" for op in COMM_OPS},
+    "summary/median_step_time_s": "step time (s)", "summary/items_per_s_per_device": "tokens or images /s per device",
+    "summary/items_per_s": "tokens or images /s", "summary/tflops_per_device": "TFLOP/s per device",
+    "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/final_loss": "final loss",
+    "summary/compile_time_s": "compile time (s)",
 }
 # Measured shares and the flag saying whether their 95% interval resolves them (microbench.train.overheads).
 RESOLVED_FLAGS = {"bubble_measured": "bubble_resolved", "all_to_all_share": "all_to_all_resolved"}
@@ -92,6 +87,10 @@ class TrainLog:
           values.pop(f"summary/{figure}", None)
       if summary.get(f"{figure}_ci"):
         values[f"summary/{figure}_ci_low"], values[f"summary/{figure}_ci_high"] = map(float, summary[f"{figure}_ci"])
+    item = summary.get("item")
+    for suffix in ("_per_s", "_per_s_per_device"):  # throughput under one name whatever the item
+      if item and isinstance(summary.get(f"{item}{suffix}"), (int, float)):
+        values[f"summary/items{suffix}"] = float(summary[f"{item}{suffix}"])
     values.update({f"summary/comm_bytes/{op}": float(c["bytes"]) for op, c in (summary.get("comm") or {}).items()})
     self.scalars(values, SUMMARY_STEP)
     if self._tb:
