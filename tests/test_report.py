@@ -23,21 +23,28 @@ FACTORS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n -
 
 def synthetic_records(alpha_us: float, beta_gbps: float, *, collectives=("all_reduce", "all_gather"),
                       scopes=(("scale_up", 4), ("scale_out", 2)), sizes=None, noise=0.0, seed=0,
-                      peak=None) -> list[dict]:
-  """Sweep records whose times follow t = alpha + S / beta (times (1 + noise) lognormal)."""
+                      peak=None, samples=0, sample_noise=0.1, slow=None) -> list[dict]:
+  """Sweep records whose times follow t = alpha + S / beta (times (1 + noise) lognormal); with `samples`,
+  that many per-operation samples lognormal around t (time_us their median); `slow` {bytes: factor}
+  multiplies those sizes' times."""
   rng = np.random.default_rng(seed)
   sizes = sizes or [2**k for k in range(10, 31, 2)]
   recs = []
   for coll in collectives:
     for scope, n in scopes:
       for s in sizes:
-        t = (alpha_us + s / (beta_gbps * 1e3)) * float(np.exp(rng.normal(0.0, noise)))
+        t = (alpha_us + s / (beta_gbps * 1e3)) * float(np.exp(rng.normal(0.0, noise))) * (slow or {}).get(s, 1.0)
+        draws = t * np.exp(rng.normal(0.0, sample_noise, samples)) if samples else None
+        if samples:
+          t = float(np.median(draws))
         algbw = s / (t * 1e-6) / 1e9
         rec = {"collective": coll, "scope": scope, "dtype": "float32", "bytes": s, "requested_bytes": s,
                "count": s // 4, "group_size": n, "num_groups": 8 // n, "time_us": t, "algbw_gbps": algbw,
                "busbw_gbps": algbw * FACTORS[coll](n), "wrong": 0, "status": "ok"}
         if peak:
           rec.update(link_peaks.share(rec["busbw_gbps"], peak))
+        if samples:
+          rec["samples_us"] = [float(x) for x in draws]
         recs.append(rec)
   return recs
 
@@ -124,13 +131,90 @@ def test_ratio_table_matches_points_and_lists_the_rest():
   r = tables.ratio_rows(a, b)
   assert len(r["both"]) == 2 * 2 + 2  # shared sizes 4K, 16K for three series... all_gather/scale_out is gone
   for row in r["both"]:
-    coll, scope, dtype, n, size, ta, tb, ratio, bwa, bwb, bwratio = row
+    coll, scope, dtype, n, size, ta, tb, ratio, bwa, bwb, bwratio, lo, hi, changed = row
+    assert (lo, hi, changed) == (None, None, "unknown")  # no samples_us: no interval, not a guess
     assert ratio == pytest.approx((10 + size / 80e3) / (20 + size / 40e3))
     assert bwratio == pytest.approx(1 / ratio) and tb / ta == pytest.approx(ratio)
   assert {row[4] for row in r["only_a"]} == {1024, 4096, 16384} and len(r["only_a"]) == 4 + 2
   assert {row[4] for row in r["only_b"]} == {65536} and len(r["only_b"]) == 3
-  summary = tables.ratio_summary(r["both"])
-  assert len(summary) == 3 and all(0.4 < s[5] < 0.6 for s in summary)
+  summary = tables.ratio_summary(r["both"], r["draws"])
+  assert len(summary) == 3 and all(0.4 < s[9] < 0.6 for s in summary)
+
+
+def _changed(rows):
+  return {(r[0], r[1], r[4]): r[13] for r in rows}
+
+
+def test_runs_from_one_distribution_mark_no_point_changed():
+  """Same alpha-beta, independent samples: bare ratios differ from 1 at every point, none is marked changed;
+  over 20 pairs of runs the false-change rate stays near the 5% the interval allows."""
+  sizes = [2**k for k in range(10, 21, 2)]
+  a = synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=1)
+  b = synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=2)
+  r = tables.ratio_rows(a, b)
+  assert all(row[7] != 1.0 for row in r["both"])  # a rule on bare ratios would mark every point
+  assert set(_changed(r["both"]).values()) == {"no"}
+  summary = tables.ratio_summary(r["both"], r["draws"])
+  assert all(s[5:9] == (0, 0, len(sizes), 0) and s[10] < 1 < s[11] for s in summary)
+  assert tables.changed_text(summary).startswith(f"0 of {len(r['both'])} point(s) changed")
+  flagged = total = 0
+  for seed in range(20):
+    r = tables.ratio_rows(synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=100 + seed),
+                          synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=200 + seed))
+    flagged += sum(1 for row in r["both"] if row[13] != "no")
+    total += len(r["both"])
+  assert flagged / total < 0.1, (flagged, total)
+
+
+def test_a_2x_slowdown_and_speedup_are_marked_with_their_direction():
+  sizes = [2**k for k in range(10, 21, 2)]
+  a = synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=1)
+  b = synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=2, slow={2**14: 2.0, 2**16: 2.0, 2**20: 0.5})
+  r = tables.ratio_rows(a, b)
+  want = {2**14: "slower", 2**16: "slower", 2**20: "faster"}
+  for (coll, scope, size), changed in _changed(r["both"]).items():
+    assert changed == want.get(size, "no"), (coll, scope, size, changed)
+  summary = tables.ratio_summary(r["both"], r["draws"])
+  assert all(s[5:8] == (2, 1, len(sizes) - 3) for s in summary)
+  assert tables.changed_text(summary).startswith(f"{3 * 4} of {len(r['both'])} point(s) changed (8 slower, 4 faster")
+
+
+def test_the_interval_covers_the_true_ratio_in_most_seeds():
+  """The true ratio of medians is 1.5 at every point; the 95% interval must hold it in about 95% of cases
+  (at least 85% here), and must not be so wide that it always does (it excludes 1, 1.5 / 1.2 and 1.5 * 1.2)."""
+  sizes = [2**k for k in range(10, 21, 2)]
+  slow = {s: 1.5 for s in sizes}
+  covered = total = 0
+  for seed in range(15):
+    r = tables.ratio_rows(synthetic_records(20.0, 40.0, sizes=sizes, samples=25, seed=300 + seed),
+                          synthetic_records(20.0, 40.0, sizes=sizes, samples=25, seed=400 + seed, slow=slow))
+    for row in r["both"]:
+      covered += row[11] <= 1.5 <= row[12]
+      total += 1
+      assert 1.5 / 1.2 < row[11] and row[12] < 1.5 * 1.2 and row[13] == "slower"
+  assert covered / total > 0.85, (covered, total)
+
+
+def test_settings_diff_lists_flags_and_environment_variables():
+  from microbench.report import runs  # pylint: disable=g-import-not-at-top
+  base = {"device_kind": "NVIDIA H100 80GB HBM3", "device_count": 8, "topology": {"hosts": 1, "gpus_per_host": 8},
+          "flags": {"iters": 20, "outdir": "/tmp/a"}, "started_at": "t0",
+          "environment": {"variables": {"XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=true"},
+                          "packages": {"jax": "0.4.30"}}}
+  other = json.loads(json.dumps(base))
+  assert runs.settings_diff(base, other) == []
+  other["flags"].update(iters=50, outdir="/tmp/b")
+  other["started_at"] = "t1"
+  other["environment"]["variables"] = {"XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=0",
+                                       "NCCL_ALGO": "Tree"}
+  other["device_kind"] = "NVIDIA H200"
+  other["topology"]["hosts"] = 2
+  diff = {k: (a, b) for k, a, b in runs.settings_diff(base, other)}
+  assert diff == {"flags.iters": (20, 50),
+                  "environment.variables.XLA_FLAGS": ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                                                      "--xla_gpu_all_reduce_combine_threshold_bytes=0"),
+                  "environment.variables.NCCL_ALGO": (None, "Tree"),
+                  "device_kind": ("NVIDIA H100 80GB HBM3", "NVIDIA H200"), "topology.hosts": (1, 2)}
 
 
 def test_ratio_table_does_not_match_different_group_sizes():
@@ -355,6 +439,69 @@ def test_comparison_report_has_ratios_per_point_and_a_plot(runs_dir, tmp_path):
   assert "`B` (B) against `A` (A)" in rep.markdown
 
 
+def test_comparison_lists_setting_changes_first_and_ratio_intervals(tmp_path):
+  from microbench.report import build  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 2)]
+  meta = {"device_count": 8, "device_kind": "cpu", "platform": "cpu", "status": "finished",
+          "flags": {"iters": 20}, "environment": {"variables": {}}}
+  a = write_sweep(tmp_path / "A", synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=1), meta)
+  meta_b = {**meta, "flags": {"iters": 50}, "environment": {"variables": {"XLA_FLAGS": "--xla_foo=1"}}}
+  b = write_sweep(tmp_path / "B", synthetic_records(20.0, 40.0, sizes=sizes, samples=15, seed=2,
+                                                    slow={2**14: 2.0}), meta_b)
+  rep = build.build([a, b], str(tmp_path / "rep"))
+  md = rep.markdown
+  first_ratio = md.index("time B/A")
+  assert md.index("`flags.iters` | 20 | 50") < first_ratio
+  assert md.index("`environment.variables.XLA_FLAGS` | – | --xla_foo=1") < first_ratio
+  assert "4 of 24 point(s) changed (4 slower, 0 faster, 20 unchanged)" in md
+  with open(tmp_path / "rep" / "ratio_B_vs_A.csv", newline="") as f:
+    rows = list(csv.DictReader(f))
+  assert all(float(r["time B/A low"]) <= float(r["time B/A"]) <= float(r["time B/A high"]) for r in rows)
+  assert {r["bytes"]: r["changed"] for r in rows if r["changed"] != "no"} == {str(2**14): "slower"}
+  ax = rep.figures["ratio_B_vs_A.png"].axes[0]
+  assert len(ax.containers) == 2  # an error bar set per series (scale_up, scale_out)
+  ringed = [ln for ln in ax.get_lines() if ln.get_label() == "_changed"]
+  assert [list(ln.get_xdata()) for ln in ringed] == [[2**14], [2**14]]
+
+
+def test_the_peak_stays_visible_far_above_the_measured_busbw(tmp_path):
+  """A sweep at 0.6% of its peak: the peak line is drawn (the busbw axis turns logarithmic to hold both)."""
+  from microbench.report import build, runs  # pylint: disable=g-import-not-at-top
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),),
+                           sizes=[2**k for k in range(10, 21, 2)])
+  best = max(r["busbw_gbps"] for r in recs)
+  peak = best / 0.006
+  for r in recs:
+    r.update(link_peaks.share(r["busbw_gbps"], peak))
+  fig = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, recs))["all_reduce.png"]
+  bw = fig.axes[0]
+  peaks = [ln for ln in bw.get_lines() if ln.get_label() == "_peak"]
+  assert len(peaks) == 1 and list(peaks[0].get_ydata()) == [peak, peak]
+  assert bw.get_yscale() == "log" and bw.get_ylim()[1] >= peak and bw.get_ylim()[0] <= min(
+      r["busbw_gbps"] for r in recs)
+  near = [dict(r, **link_peaks.share(r["busbw_gbps"], best * 1.2)) for r in recs]
+  bw = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, near))["all_reduce.png"].axes[0]
+  assert bw.get_yscale() == "linear" and len([ln for ln in bw.get_lines() if ln.get_label() == "_peak"]) == 1
+
+
+def test_time_plot_draws_the_fit_and_flags_a_poor_one(tmp_path):
+  from microbench.report import build, runs  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 2)]
+  good = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), sizes=sizes)
+  tm = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, good))["all_reduce.png"].axes[1]
+  (fit,) = [ln for ln in tm.get_lines() if ln.get_label() == "_fit"]
+  assert list(fit.get_ydata()) == pytest.approx([20.0 + s / 40e3 for s in sizes], rel=1e-6)
+  assert not tm.texts
+  # A protocol switch: the small sizes 8x slower than the form allows; one alpha and beta cannot fit both.
+  bad = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), sizes=sizes,
+                          slow={2**10: 8.0, 2**12: 8.0})
+  (f,) = alpha_beta.fit_run(bad)
+  assert f.poor() and "worst point off by" in f.poor() and alpha_beta.fit_run(good)[0].poor() is None
+  tm = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, bad))["all_reduce.png"].axes[1]
+  assert "poor fit" in tm.texts[0].get_text()
+  assert "POOR:" in build.fit_rows([f])[0][-1]
+
+
 def test_training_report_compares_strategies(runs_dir, tmp_path):
   from microbench.report import build
   root, _, _ = runs_dir
@@ -376,13 +523,17 @@ def test_training_report_compares_strategies(runs_dir, tmp_path):
 def test_report_command_line(runs_dir, tmp_path):
   root, a, b = runs_dir
   exe = [sys.executable, "-m", "microbench.cli.report"]
-  r = subprocess.run([*exe, a, b, f"--out={tmp_path / 'rep'}", "--predict=1M"], capture_output=True, text=True,
-                     timeout=120, env=clean_env(), cwd=ROOT)
+  r = subprocess.run([*exe, a, b, f"--out={tmp_path / 'rep'}", "--predict=1M,4M"], capture_output=True,
+                     text=True, timeout=120, env=clean_env(), cwd=ROOT)
   assert r.returncode == 0, r.stderr
+  assert "| 4M |" in r.stdout and "4x past the largest measured size (1M)" in r.stdout
+  assert "| 1M |" in r.stdout and "within the measured sizes" in r.stdout
   assert "2 sweep(s), 0 training run(s)" in r.stdout and "| A | all_reduce | scale_up | float32 | 4 | 1M |" in r.stdout
   assert (tmp_path / "rep" / "report.md").exists()
   for args, msg in (([], "give one or more run folders"), ([str(tmp_path / "nope")], "no such folder"),
-                    ([str(tmp_path)], "holds no results.jsonl"), ([a, "--predict=12Q"], "--predict: bad size")):
+                    ([str(tmp_path)], "holds no results.jsonl"), ([a, "--predict=12Q"], "--predict: bad size"),
+                    ([a, "--predict=0"], "--predict: 0 is not a positive size"),
+                    ([a, "--predict=1K,-1"], "--predict: -1 is not a positive size")):
     r = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr

@@ -23,10 +23,15 @@ def main(argv: list[str]) -> int:
   paths = argv[1:]
   if not paths:
     raise app.UsageError("give one or more run folders: microbench-report RUN_DIR [RUN_DIR ...] [--out=DIR]")
-  try:
-    predict = [sizes.parse_size(s) for s in FLAGS.predict]
-  except ValueError as e:
-    raise app.UsageError(f"--predict: {e}") from None
+  predict = []
+  for text in FLAGS.predict:
+    try:
+      size = -1 if text.strip().startswith("-") else sizes.parse_size(text)
+    except ValueError as e:
+      raise app.UsageError(f"--predict: {e}") from None
+    if size <= 0:  # a time for no bytes (or fewer) is not a prediction of anything measured
+      raise app.UsageError(f"--predict: {text.strip()} is not a positive size; give bytes above 0 (8, 64K, 1G)")
+    predict.append(size)
   try:
     import matplotlib  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:

@@ -25,6 +25,12 @@ import numpy as np
 from microbench.report import tables
 
 MODEL = "model.json"
+# A fit is flagged poor below this R^2 or above this worst relative residual: with relative weighting a
+# good sweep fits within a few percent everywhere (the synthetic 1%-noise runs: R^2 > 0.99, worst < 5%), and
+# a 25% miss at one size means the two-parameter form does not describe that series (a protocol switch,
+# an algorithm change between sizes), so its predictions should not be trusted.
+POOR_R2 = 0.9
+POOR_MAX_REL_ERR = 0.25
 FORM = "t_us(S) = alpha_us + S / (beta_gbps * 1e3)"  # S in bytes; 1 GB/s = 1e3 bytes per microsecond
 
 
@@ -53,6 +59,25 @@ class Fit:
   busbw_beta_gbps: float | None = None
   ring_steps: int | None = None
   alpha_per_step_us: float | None = None
+
+  def poor(self) -> str | None:
+    """Why the fit should not be trusted (one phrase), or None for a good fit."""
+    if self.alpha_us is None:
+      return "no fit"
+    why = []
+    if self.r2 is not None and self.r2 < POOR_R2:
+      why.append(f"R^2 {self.r2:.3g} < {POOR_R2:g}")
+    if self.max_rel_err is not None and self.max_rel_err > POOR_MAX_REL_ERR:
+      why.append(f"worst point off by {100 * self.max_rel_err:.0f}% > {100 * POOR_MAX_REL_ERR:.0f}%")
+    return ", ".join(why) or None
+
+  def extrapolation(self, size_bytes: float) -> str:
+    """How far a prediction reaches past the measured sizes, so a reader weighs it accordingly."""
+    if size_bytes > self.max_bytes:
+      return f"{size_bytes / self.max_bytes:.3g}x past the largest measured size ({tables.size_text(self.max_bytes)})"
+    if size_bytes < self.min_bytes:
+      return f"{self.min_bytes / size_bytes:.3g}x below the smallest measured size ({tables.size_text(self.min_bytes)})"
+    return "within the measured sizes"
 
   def predict_us(self, size_bytes: float) -> float | None:
     if self.alpha_us is None:

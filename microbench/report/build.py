@@ -55,9 +55,12 @@ def single_sweep_figures(run: runs.SweepRun) -> dict[str, Any]:
   """One figure per collective: one line per scope and dtype."""
   figs = {}
   series = tables.by_series(tables.ok(run.records))
+  models = {_line_label(recs[0]): (f.alpha_us, f.beta_gbps, f.poor())
+            for f in alpha_beta.fit_run(run.records) if f.alpha_us is not None
+            for k, recs in series.items() if k == (f.collective, f.scope, f.dtype, f.group_size)}
   for coll in dict.fromkeys(k[0] for k in series):
     lines = [(_line_label(recs[0]), recs, _peak(recs)) for k, recs in series.items() if k[0] == coll]
-    figs[f"{_slug(coll)}.png"] = plots.collective_figure(coll, [(run.label, lines)])
+    figs[f"{_slug(coll)}.png"] = plots.collective_figure(coll, [(run.label, lines)], models)
   return figs
 
 
@@ -98,21 +101,34 @@ def _env_lines(meta: dict[str, Any]) -> list[str]:
   return lines
 
 
+def _diff_lines(a: runs.SweepRun, b: runs.SweepRun) -> list[str]:
+  diff = runs.settings_diff(a.meta, b.meta)
+  if not diff:
+    return ["No differences in flags, versions, environment variables, devices or topology."]
+  return [tables.markdown(("setting", "A", "B"), [(f"`{k}`", *(tables.fmt(v)[:120].replace("|", "\\|") for v in ab))
+                                                  for k, *ab in diff])]
+
+
 FIT_HEADERS = ("collective", "scope", "dtype", "n", "alpha (us)", "beta (GB/s)", "busbw beta (GB/s)",
-               "alpha/ring step (us)", "R^2", "rel. RMS error", "sizes", "points", "method")
+               "alpha/ring step (us)", "R^2", "rel. RMS error", "sizes", "points", "method", "quality")
 
 
 def fit_rows(fits: list[alpha_beta.Fit]) -> list[tuple[Any, ...]]:
   return [(f.collective, f.scope, f.dtype, f.group_size, f.alpha_us, f.beta_gbps, f.busbw_beta_gbps,
            f.alpha_per_step_us, f.r2, f.rel_rms,
-           f"{tables.size_text(f.min_bytes)}-{tables.size_text(f.max_bytes)}", f.points, f.method) for f in fits]
+           f"{tables.size_text(f.min_bytes)}-{tables.size_text(f.max_bytes)}", f.points, f.method,
+           f"POOR: {f.poor()}" if f.poor() else "good") for f in fits]
 
 
 PREDICT_HEADERS = ("run", "collective", "scope", "dtype", "n", "size", "predicted time (us)",
-                   "predicted busbw (GB/s)", "within fitted sizes")
+                   "predicted busbw (GB/s)", "extrapolation", "fit quality")
 
 
 def prediction_rows(fits: dict[str, list[alpha_beta.Fit]], sizes: list[int]) -> list[tuple[Any, ...]]:
+  """Each fit's time and busbw at each size, saying how far past the measured sizes it reaches."""
+  bad = [s for s in sizes if s <= 0]
+  if bad:
+    raise ValueError(f"--predict: sizes must be positive bytes, got {bad[0]}")
   rows = []
   for label, fs in fits.items():
     for f in fs:
@@ -120,13 +136,31 @@ def prediction_rows(fits: dict[str, list[alpha_beta.Fit]], sizes: list[int]) -> 
         t = f.predict_us(size)
         busbw = None if (t is None or not t or f.busbw_factor is None) else size / (t * 1e3) * f.busbw_factor
         rows.append((label, f.collective, f.scope, f.dtype, f.group_size, tables.size_text(size), t, busbw,
-                     "yes" if f.min_bytes <= size <= f.max_bytes else "no (extrapolated)"))
+                     f.extrapolation(size), f"POOR: {f.poor()}" if f.poor() else "good"))
   return rows
 
 
+def _enclosing_run(folder: str) -> str:
+  """The nearest folder at or above `folder` that already holds event files (a run), else `folder`: TensorBoard
+  makes every folder with event files a run, so a report written under a run folder (the default `RUN/report`)
+  would appear as a phantom run; its images go into the run's own events instead, under their own prefix."""
+  path = os.path.abspath(folder)
+  while True:
+    try:
+      if any(n.startswith("events.out.tfevents") for n in os.listdir(path)):
+        return path
+    except OSError:  # not there yet, or not readable
+      pass
+    parent = os.path.dirname(path)
+    if parent == path:
+      return folder
+    path = parent
+
+
 def write_images(logdir: str, figures: dict[str, Any], prefix: str) -> None:
-  """The figures into TensorBoard's Images tab (tag `<prefix>/<name>`), for readers who only open TensorBoard."""
-  log = TensorBoardLog(logdir)
+  """The figures into TensorBoard's Images tab (tag `<prefix>/<name>`), for readers who only open TensorBoard;
+  into the enclosing run's events when `logdir` lies inside a run folder (no extra run)."""
+  log = TensorBoardLog(_enclosing_run(logdir))
   try:
     for name, fig in figures.items():
       png = plots.png_bytes(fig)
@@ -158,6 +192,9 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
   now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   md = ["# microbench report", "", f"Generated {now} from {len(sweeps) + len(trains)} run(s):", ""]
   md += [f"- `{r.label}`: `{os.path.abspath(r.path)}`" for r in [*sweeps, *trains]]
+  for other in sweeps[1:]:
+    md += ["", f"## Settings that differ: `{other.label}` (B) against `{sweeps[0].label}` (A)", "",
+           *_diff_lines(sweeps[0], other)]
   figures: dict[str, Any] = {}
   fits: dict[str, list[alpha_beta.Fit]] = {}
 
@@ -189,9 +226,12 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
       r = tables.ratio_rows(base.records, other.records)
       name = f"ratio_{_slug(other.label)}_vs_{_slug(base.label)}"
       _write_csv(os.path.join(out, name + ".csv"), tables.RATIO_HEADERS, r["both"])
-      md += ["", f"## `{other.label}` (B) against `{base.label}` (A)", "",
-             f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`.", "",
-             tables.markdown(tables.RATIO_SUMMARY_HEADERS, tables.ratio_summary(r["both"])), "",
+      summary = tables.ratio_summary(r["both"], r["draws"])
+      md += ["", f"## `{other.label}` (B) against `{base.label}` (A)", "", "What differs in their settings:", "",
+             *_diff_lines(base, other), "",
+             f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`. "
+             + tables.changed_text(summary), "",
+             tables.markdown(tables.RATIO_SUMMARY_HEADERS, summary), "",
              "Per point:", "", tables.markdown(tables.RATIO_HEADERS, r["both"])]
       for which, rows in (("A", r["only_a"]), ("B", r["only_b"])):
         if rows:

@@ -18,7 +18,8 @@ from microbench.report.tables import size_text  # noqa: E402  pylint: disable=wr
 
 Line = tuple[str, Sequence[dict[str, Any]], float | None]  # legend label, records by bytes, busbw peak
 Panel = tuple[str, Sequence[Line]]  # title, lines
-PEAK_SPAN = 3.0  # a peak more than this times the best busbw is named in the legend, not drawn
+Model = tuple[float, float | None, str | None]  # alpha_us, beta_gbps (None: latency only), why the fit is poor
+PEAK_SPAN = 3.0  # a peak more than this times the best busbw turns the busbw axis logarithmic, so both show
 DPI = 80
 
 
@@ -30,8 +31,14 @@ def _size_axis(ax) -> None:
   ax.grid(True, which="major", alpha=0.3)
 
 
-def collective_figure(collective: str, panels: Sequence[Panel]) -> Figure:
-  """busbw (top) and time (bottom) against message size, one column per panel, one line per series."""
+def collective_figure(collective: str, panels: Sequence[Panel],
+                      models: dict[str, Model] | None = None) -> Figure:
+  """busbw (top) and time (bottom) against message size, one column per panel, one line per series.
+
+  The link peak is always drawn: when it is far above the measured busbw (a sweep at 0.6% of an NVLink
+  peak) the busbw axis turns logarithmic instead of dropping the line, since a linear axis scaled to the
+  data would make a tiny fraction of the peak look like saturation. `models` (line label -> alpha-beta fit)
+  adds the fitted time as a dashed line on the time panel, with a poor fit named on the panel."""
   cols = len(panels)
   fig = Figure(figsize=(5.2 * cols, 6.4), dpi=DPI, layout="constrained")
   axes = fig.subplots(2, cols, squeeze=False, sharex="col")
@@ -39,20 +46,36 @@ def collective_figure(collective: str, panels: Sequence[Panel]) -> Figure:
   for j, (title, lines) in enumerate(panels):
     bw, tm = axes[0][j], axes[1][j]
     top = max((r["busbw_gbps"] for _, recs, _ in lines for r in recs), default=0.0)
+    far = False
+    poor = []
     for label, recs, peak in lines:
       xs = [r["bytes"] for r in recs]
+      model = (models or {}).get(label)
+      shown = label + (f", peak {peak:.4g} GB/s" if peak else "")
+      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=shown)
+      tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=shown, color=line.get_color())
       if peak:
-        label += f", peak {peak:.4g} GB/s"
-      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=label)
-      tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=label, color=line.get_color())
-      if peak and peak <= PEAK_SPAN * top:
-        bw.axhline(peak, linestyle="--", linewidth=1, color=line.get_color())
-    bw.set_ylim(bottom=0)
+        bw.axhline(peak, linestyle="--", linewidth=1, color=line.get_color(), label="_peak")
+        far = far or peak > PEAK_SPAN * top
+      if model and xs:
+        alpha, beta, why = model
+        fx = sorted(xs)
+        tm.plot(fx, [alpha + (0.0 if beta is None else x / (beta * 1e3)) for x in fx], linestyle="--",
+                linewidth=1, color=line.get_color(), label="_fit")
+        if why:
+          poor.append(f"poor fit {label}: {why}")
+    if far:
+      bw.set_yscale("log")
+      bw.set_ylabel("busbw (GB/s, log: peak far above)")
+    else:
+      bw.set_ylim(bottom=0)
+      bw.set_ylabel("busbw (GB/s)")
+    if poor:
+      tm.text(0.02, 0.98, "\n".join(poor), transform=tm.transAxes, fontsize=7, va="top", color="red")
     bw.set_title(title, fontsize=10)
-    bw.set_ylabel("busbw (GB/s)")
     tm.set_ylabel("time (us)")
     tm.set_yscale("log")
-    tm.set_xlabel("message size S (bytes)")
+    tm.set_xlabel("message size S (bytes); dashed: alpha-beta fit")
     for ax in (bw, tm):
       _size_axis(ax)
     if lines:
@@ -61,20 +84,32 @@ def collective_figure(collective: str, panels: Sequence[Panel]) -> Figure:
 
 
 def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]]) -> Figure:
-  """Run B over run A time per point (tables.RATIO_HEADERS rows), one panel per collective."""
-  by_coll: dict[str, dict[str, list[tuple[int, float]]]] = {}
+  """Run B over run A time per point (tables.RATIO_HEADERS rows), one panel per collective, with each
+  point's interval as an error bar and changed points (interval excludes 1) ringed."""
+  by_coll: dict[str, dict[str, list[tuple[Any, ...]]]] = {}
   for r in rows:
-    coll, scope, dtype, n, size = r[:5]
-    by_coll.setdefault(coll, {}).setdefault(f"{scope}/{dtype} (n={n})", []).append((size, r[7]))
+    coll, scope, dtype, n = r[:4]
+    by_coll.setdefault(coll, {}).setdefault(f"{scope}/{dtype} (n={n})", []).append(r)
   cols = min(3, max(1, len(by_coll)))
   nrows = max(1, -(-len(by_coll) // cols))
   fig = Figure(figsize=(5.0 * cols, 3.6 * nrows), dpi=DPI, layout="constrained")
   axes = fig.subplots(nrows, cols, squeeze=False)
-  fig.suptitle(f"time {other} / {base} per point (below 1: {other} is faster)")
+  fig.suptitle(f"time {other} / {base} per point, 95% interval (below 1: {other} is faster; ringed: changed)")
   for ax, (coll, series) in zip(axes.flat, by_coll.items()):
     for label, pts in series.items():
-      pts.sort()
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+      pts.sort(key=lambda p: p[4])
+      xs = [p[4] for p in pts]
+      ys = [p[7] for p in pts]
+      (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label)
+      with_ci = [p for p in pts if p[11] is not None]
+      if with_ci:
+        ax.errorbar([p[4] for p in with_ci], [p[7] for p in with_ci],
+                    yerr=[[max(0.0, p[7] - p[11]) for p in with_ci], [max(0.0, p[12] - p[7]) for p in with_ci]],
+                    fmt="none", ecolor=line.get_color(), capsize=2, linewidth=0.8, label="_interval")
+      changed = [p for p in pts if p[13] in ("slower", "faster")]
+      if changed:
+        ax.plot([p[4] for p in changed], [p[7] for p in changed], linestyle="none", marker="o", markersize=9,
+                markerfacecolor="none", markeredgecolor="red", label="_changed")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")  # 2x slower and 2x faster are the same distance from 1
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))

@@ -99,3 +99,32 @@ def load(paths: list[str]) -> tuple[list[SweepRun], list[TrainRun]]:
     else:
       trains.append(TrainRun(path, label, *read_train(path)))
   return sweeps, trains
+
+
+# Keys that differ between any two runs by construction (when, where to), so listing them hides real changes.
+_UNCOMPARED = {"started_at", "resumed_at", "finished_at", "status", "reason", "flags.outdir", "flags.out",
+               "environment.hosts", "environment.nics", "environment.devices", "scopes"}
+
+
+def _flat(value: Any, prefix: str) -> dict[str, Any]:
+  if isinstance(value, dict):
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+      out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+  return {prefix: value}
+
+
+def settings_diff(meta_a: dict[str, Any], meta_b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+  """(key, A, B) for every setting that differs: flags, package and driver versions, XLA_FLAGS and NCCL_*
+  variables, device kinds and counts, topology. A ratio between runs means little before a reader knows
+  which of these moved, so the report lists them first. Nested keys are dotted (`flags.iters`,
+  `environment.variables.XLA_FLAGS`); a key one run lacks shows as None."""
+  fa, fb = _flat(meta_a, ""), _flat(meta_b, "")
+  rows = []
+  for k in dict.fromkeys([*fa, *fb]):
+    if k in _UNCOMPARED or any(k.startswith(u + ".") for u in _UNCOMPARED):
+      continue
+    if fa.get(k) != fb.get(k):
+      rows.append((k, fa.get(k), fb.get(k)))
+  return rows
