@@ -20,7 +20,7 @@ from werkzeug import wrappers
 
 from conftest import run_cli
 from microbench.output import run_folder
-from microbench.output.train_log import HPARAM_METRICS, HPARAMS, HPARAMS_LEAD, SUMMARY_STEP, TrainLog
+from microbench.output.train_log import HPARAM_METRICS, HPARAMS, HPARAMS_LEAD, SUMMARY_STEP, TrainLog, markdown_table
 from test_report import synthetic_records
 
 COLLECTIVES = ("all_reduce", "all_gather")
@@ -209,3 +209,33 @@ def test_report_figures_are_images_in_the_events(logdir, tmp_path):
                                         downsample=1, run_tag_filter=None)["sweep_a"]["figures/all_reduce"]
   png = provider.read_blob(tb_request.RequestContext(), blob_key=seq.values[2].blob_key)
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_training_summary_text_renders_as_a_readable_table():
+  """Rendered by TensorBoard's own Markdown: no None, no 15-digit floats, formulas and names as written."""
+  from tensorboard.plugin_util import markdown_to_safe_html
+  html = markdown_to_safe_html(markdown_table({
+      "mfu": None, "median_step_time_s": 0.012345678901234, "flops_formula": "6 * N * T + 12 * L * s_len * d",
+      "scan_layers": True, "mesh": "data=2 tensor=2", "rule": "a|b",
+      "comm": {"all-reduce": {"count": 1, "bytes": 4096, "share": 0.333333333333}}}))
+  assert html.startswith("<table>") and html.count("<tr>") == 8
+  assert "None" not in html and "<td>n/a</td>" in html and "<td>yes</td>" in html
+  assert "<td>0.01235</td>" in html and "0.3333}" in html and "333333" not in html
+  assert "<code>6 * N * T + 12 * L * s_len * d</code>" in html and "<em>" not in html
+  assert "<code>median_step_time_s</code>" in html and "<code>a|b</code>" in html
+
+
+def test_a_report_under_a_run_folder_adds_no_run(logdir, tmp_path):
+  """`microbench-report RUN` writes into RUN/report by default: its images join RUN's events, not a new run."""
+  import shutil
+  from microbench.report import build
+  root = tmp_path / "runs"
+  shutil.copytree(os.path.join(logdir, "sweep_a"), root / "sweep_a")
+  _, provider = tensorboard(str(root))
+  before = {r.run_name for r in provider.list_runs(tb_request.RequestContext(), experiment_id="")}
+  build.build([str(root / "sweep_a")], str(root / "sweep_a" / "report"))
+  assert (root / "sweep_a" / "report" / build.REPORT).exists()
+  _, provider = tensorboard(str(root))
+  assert {r.run_name for r in provider.list_runs(tb_request.RequestContext(), experiment_id="")} == before == {"sweep_a"}
+  blobs = provider.list_blob_sequences(tb_request.RequestContext(), experiment_id="", plugin_name="images")
+  assert any(t.startswith("report/") for t in blobs["sweep_a"]) and "figures/all_reduce" in blobs["sweep_a"]

@@ -120,6 +120,10 @@ def test_cli_end_to_end(tmp_path):
   for tag in ("train/loss", "train/step_time_s", "train/tokens_per_s", "train/mfu", "summary/mfu"):
     assert tag in scalars, tag
   assert [e.step for e in acc.Scalars("train/loss")] == [0, 1, 2, 3, 4]
+  # The warm-up step's time is under its own tag, so it does not set the scale of the timed steps' chart.
+  assert [e.step for e in acc.Scalars("train/warmup_step_time_s")] == [0]
+  assert [e.step for e in acc.Scalars("train/step_time_s")] == [1, 2, 3, 4]
+  assert [e.step for e in acc.Scalars("train/tokens_per_s")] == [1, 2, 3, 4]
   assert acc.Scalars("train/loss")[0].value == pytest.approx(steps[0]["loss"])
   assert "config/text_summary" in acc.Tags()["tensors"] or "config" in acc.Tags()["tensors"]
   assert [e.step for e in acc.Scalars("summary/mfu")] == [0]  # one fixed step for every run

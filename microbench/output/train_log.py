@@ -41,6 +41,38 @@ HPARAM_METRICS = {
 RESOLVED_FLAGS = {"bubble_measured": "bubble_resolved", "all_to_all_share": "all_to_all_resolved"}
 
 
+def _cell(v: Any) -> str:
+  """A value as a table cell: 4 significant digits, n/a for None, anything with Markdown's characters
+  (`*`, `_`, `|`) in a code span so formulas and names arrive as written."""
+  def rounded(x: Any) -> Any:
+    if isinstance(x, float):
+      return float(f"{x:.4g}")
+    if isinstance(x, dict):
+      return {k: rounded(w) for k, w in x.items()}
+    return [rounded(w) for w in x] if isinstance(x, (list, tuple)) else x
+  if v is None:
+    return "n/a"
+  if isinstance(v, bool):
+    return "yes" if v else "no"
+  if isinstance(v, float):
+    text = f"{v:.4g}"
+  elif isinstance(v, (dict, list, tuple)):
+    text = json.dumps(rounded(v))
+  else:
+    text = str(v)
+  if any(c in text for c in "*_|`<>[]\\#"):
+    fence = "``" if "`" in text else "`"
+    text = f"{fence} {text} {fence}"  # a pipe inside a code span stays in its cell (TensorBoard's Markdown)
+  return text
+
+
+def markdown_table(d: dict[str, Any]) -> str:
+  """A run's config or summary as TensorBoard's Text tab renders it: a two-column table, names in code spans
+  (their underscores are not emphasis), values through `_cell`."""
+  rows = [f"| `{k}` | {_cell(v)} |" for k, v in d.items()]
+  return "| name | value |\n|---|---|\n" + "\n".join(rows)
+
+
 class TrainLog:
   """JSONL (flushed per line) and TensorBoard, on process 0 only."""
 

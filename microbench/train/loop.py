@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import re
 import statistics
@@ -22,7 +21,7 @@ import numpy as np
 
 from meshes import parallelism as par
 from microbench.cluster import environment, machine
-from microbench.output.train_log import RESOLVED_FLAGS, TrainLog
+from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.target import compile_only, gpu_kinds
 from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
@@ -31,9 +30,6 @@ from models.optimizer import AdamWConfig, adamw
 from models.train_step import Trainer
 
 
-def _markdown(d: dict[str, Any]) -> str:
-  rows = [f"| {k} | {json.dumps(v) if isinstance(v, (dict, list)) else v} |" for k, v in d.items()]
-  return "| key | value |\n|---|---|\n" + "\n".join(rows)
 
 
 def _mib(b: float) -> str:
@@ -272,7 +268,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   out = TrainLog(run_dir)
   out.line(config_record)
   out.hparams(config_record)
-  out.text("config", _markdown({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
+  out.text("config", markdown_table({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
   say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
       f" {p.topology_note}")
   for line in environment.header(config_record["environment"]) if writer_on else []:
@@ -330,7 +326,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   if cfg.compile_only or cfg.target:
     summary = {"kind": "compile", **common}
     out.line(summary)
-    out.text("compile", _markdown({k: v for k, v in summary.items() if k != "kind"}))
+    out.text("compile", markdown_table({k: v for k, v in summary.items() if k != "kind"}))
     out.close()
     say("compiled (not run):\n" + format_table(summary))
     return Result([], [], summary, run_dir, trainer, None)
@@ -367,9 +363,14 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       assigned.append(_scalar(metrics["moe_assignments"]))
       record["moe_dropped_fraction"] = dropped[-1] / assigned[-1]
     out.line(record)
-    out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
-                 f"train/{item}_per_s": items / dt, "train/tflops_per_device": tflops,
-                 "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
+    # Warm-up steps (compilation, caches) are often far slower than the rest: their time goes under its own
+    # tag and they add no throughput points, so they do not set the scale of the timed steps' charts.
+    if step < cfg.warmup_steps:
+      out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/warmup_step_time_s": dt}, step)
+    else:
+      out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
+                   f"train/{item}_per_s": items / dt, "train/tflops_per_device": tflops,
+                   "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
     say(f"  step {step:4d}  loss {loss_v:.4f}  grad norm {norm_v:.4f}  {dt * 1e3:9.2f} ms"
         f"{'  (warm-up)' if step < cfg.warmup_steps else ''}{'  (profiled)' if profiled else ''}")
   if cfg.profile_steps and run_dir:
@@ -398,7 +399,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   out.summary(summary)
   # The text table gives a measured share with its interval, or says it is not resolved.
   shares = {k: _share_text(summary, k) for k in RESOLVED_FLAGS if summary.get(k) is not None}
-  out.text("summary", _markdown({k: shares.get(k, v) for k, v in summary.items() if k != "kind"}), cfg.steps)
+  out.text("summary", markdown_table({k: shares.get(k, v) for k, v in summary.items() if k != "kind"}), cfg.steps)
   out.close()
   say("summary:\n" + format_table(summary))
   return Result(losses[:cfg.steps], times, summary, run_dir, trainer, (params, rest, opt_state))
