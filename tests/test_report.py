@@ -552,3 +552,23 @@ def test_report_bad_run_folder_or_out_is_one_line(runs_dir, tmp_path):
     r = subprocess.run([*exe, *args], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr
+
+
+def test_share_of_peak_is_a_tensorboard_scalar_where_the_peak_is_known(tmp_path):
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),), sizes=[1024, 4096])
+  recs[0].update(link_peaks.share(recs[0]["busbw_gbps"], 50.0))
+  recs[1].update(peak_gbps=None, busbw_pct_of_peak=None)  # peak unknown: no scalar, no failure
+  out = run_folder.RunOutputs(str(tmp_path), stream=open(os.devnull, "w"))
+  for r in recs:
+    out.record(r)
+  out.close()
+  values = {}
+  for name in os.listdir(tmp_path):
+    if name.startswith("events."):
+      acc = event_accumulator.EventAccumulator(str(tmp_path / name), size_guidance={"tensors": 0, "scalars": 0})
+      acc.Reload()
+      for tag in acc.Tags()["scalars"]:
+        values[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
+  pct = values["busbw_pct_of_peak/all_reduce/scale_up/float32"]
+  assert pct == [(run_folder.size_step(1024), pytest.approx(recs[0]["busbw_pct_of_peak"], rel=1e-5))]

@@ -33,7 +33,7 @@ SIZE_STEP_TEXT = ("Collective sweeps use **step = round(10 x log2(bytes))**: 100
                   " a size sweep is not a noisy time series.")
 _BY_COLLECTIVE = "per collective: a line per scope/dtype; step = 10 log2(bytes)"
 _BY_SCOPE = "per scope: a line per collective/dtype; step = 10 log2(bytes)"
-METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"))
+METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"), ("busbw_pct_of_peak", "busbw % of peak"))
 
 
 # Consecutive sizes a factor f apart are 10 x log2(f) steps apart: below 2^0.1 two sizes could round to one step.
