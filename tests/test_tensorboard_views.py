@@ -209,6 +209,11 @@ def test_report_figures_are_images_in_the_events(logdir, tmp_path):
                                         downsample=1, run_tag_filter=None)["sweep_a"]["figures/all_reduce"]
   png = provider.read_blob(tb_request.RequestContext(), blob_key=seq.values[2].blob_key)
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+  # Shown at its pixel size, the figure's smallest text (7 pt) is at least 10 px tall.
+  import struct
+  fig = build.single_sweep_figures(build.runs.SweepRun(sweep, "sweep_a", {}, run_folder.read_results(sweep)))
+  width = struct.unpack(">I", png[16:20])[0]
+  assert width / fig["all_reduce.png"].get_figwidth() * 7 / 72 >= 10
 
 
 def test_training_summary_text_renders_as_a_readable_table():

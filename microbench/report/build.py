@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import datetime
+import io
 import os
 import re
 import struct
@@ -157,13 +158,20 @@ def _enclosing_run(folder: str) -> str:
     path = parent
 
 
+# TensorBoard shows an image at its pixel size: at this DPI the figures' smallest text (7 pt legends) is 10 px
+# and their titles 14 px, legible without zooming (the PNG files beside report.md keep plots.DPI).
+IMAGE_DPI = 104
+
+
 def write_images(logdir: str, figures: dict[str, Any], prefix: str) -> None:
   """The figures into TensorBoard's Images tab (tag `<prefix>/<name>`), for readers who only open TensorBoard;
   into the enclosing run's events when `logdir` lies inside a run folder (no extra run)."""
   log = TensorBoardLog(_enclosing_run(logdir))
   try:
     for name, fig in figures.items():
-      png = plots.png_bytes(fig)
+      buf = io.BytesIO()
+      fig.savefig(buf, format="png", dpi=IMAGE_DPI)
+      png = buf.getvalue()
       width, height = struct.unpack(">II", png[16:24])  # the PNG header's IHDR chunk
       log.image(f"{prefix}/{name.removesuffix('.png')}", png, width, height)
   finally:
