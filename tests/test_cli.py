@@ -223,7 +223,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
 
   out = tmp_path / "run"
   proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
-                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.05", "--nocheck", "--iters=6", "--samples=2", f"--outdir={out}"],
+                           "--min_bytes=1K", "--max_bytes=256K", "--step_factor=1.08", "--nocheck", "--iters=6", "--samples=2", f"--outdir={out}"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT)
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline:  # wait for some points to finish
@@ -265,7 +265,7 @@ def test_profile_points_trace_the_chosen_point_into_the_run_folder(tmp_path):
   """--profile_points=2 traces the second point after its measurement: an XPlane trace under the run folder's
   plugins/profile (TensorBoard's Profile tab) holding the all-reduce's execution; the other point has none."""
   out = tmp_path / "run"
-  r = run_cli(["--collectives=all_reduce", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=4K",
+  r = run_cli(["--collectives=all_reduce", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K",
                "--profile_points=2", f"--outdir={out}"], timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   recs = [json.loads(line) for line in open(out / "results.jsonl")]

@@ -54,7 +54,7 @@ def test_local_study_end_to_end(tmp_path):
   r = study("plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}")
   assert r.returncode == 0, r.stderr
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=local", "--bytes_scale=1e-4", "--compute_scale=0.1",
-            "--iters=4", "--grace=3")
+            "--iters=4", "--grace=60")  # an upper bound: a proxy that stops promptly ends the wait
   assert r.returncode == 0, r.stderr[-3000:]
   units = records(os.path.join(res, "units.jsonl"))
   assert [u["status"] for u in units] == ["done", "done"] and units[1]["ended"] == "large jobs finished"
@@ -143,7 +143,7 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   machine = "--machine=testbed:racks=2,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
   assert study("plan", machine, "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}").returncode == 0
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=testbed", "--bytes_scale=0.0015", "--iters=7",
-            "--grace=3", timeout=180)
+            "--grace=60", timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "removed testbed" in r.stderr
   r = study("report", f"--results={res}", "--noplots")
@@ -177,7 +177,7 @@ def test_slurm_backend_runs_steps_in_one_allocation(tmp_path):
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
   assert study("plan", "--machine=dgx", "--samples_per_bin=1", "--max_experiments=1", f"--out={plan}").returncode == 0
   r = subprocess.run(["salloc", "-N1", "-n8", *STUDY, "run", "--backend=slurm", f"--plan={plan}", f"--out={res}",
-                      "--slurm_gpu_flag=", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=5"],
+                      "--slurm_gpu_flag=", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=60"],
                      capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env(), check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   units = records(os.path.join(res, "units.jsonl"))
