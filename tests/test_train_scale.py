@@ -5,6 +5,7 @@ gradient clipping, the attention choice and the MFU peak table. Each check has a
 
 from __future__ import annotations
 
+import json
 import os
 import types
 
@@ -263,3 +264,22 @@ def test_cpu_peak_is_the_median_of_several_calibrations():
   cal = peaks.calibrate_cpu_matmul("float32", n=256, runs=5, reps=2)
   assert len(cal["tflops_runs"]) == 5 and cal["median_tflops"] == np.median(cal["tflops_runs"])
   assert cal["spread"] == pytest.approx((max(cal["tflops_runs"]) - min(cal["tflops_runs"])) / cal["median_tflops"])
+
+
+def test_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypatch):
+  """Two runs on one machine use the same peak (its date and spread kept), so their MFU compares like their
+  throughput; MICROBENCH_REMEASURE_PEAK measures again; another dtype is another entry."""
+  monkeypatch.setenv("MICROBENCH_PEAK_CACHE", str(tmp_path / "peaks.json"))
+  monkeypatch.delenv("MICROBENCH_REMEASURE_PEAK", raising=False)
+  calls = []
+  monkeypatch.setattr(peaks, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or {
+      "tflops_runs": [1.0 + len(calls), 2.0, 3.0], "median_tflops": 1.0 + len(calls), "spread": 0.5,
+      "matmul": "1024^3 " + dtype, "best_of": 3})
+  cpu = jax.devices("cpu")[0]
+  first, second = (peaks.device_peak(cpu, "float32", 8) for _ in range(2))
+  assert calls == ["float32"] and first.tflops == second.tflops == 2.0 / 8
+  assert "measured now" in first.source and "reused" in second.source and "spread 50%" in second.source
+  assert json.load(open(tmp_path / "peaks.json"))  # kept with its date
+  assert peaks.device_peak(cpu, "bfloat16", 8).tflops == 3.0 / 8 and calls == ["float32", "bfloat16"]
+  monkeypatch.setenv("MICROBENCH_REMEASURE_PEAK", "1")
+  assert peaks.device_peak(cpu, "float32", 8).tflops == 4.0 / 8 and len(calls) == 3

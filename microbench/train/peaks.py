@@ -7,13 +7,20 @@ TF32 tensor cores (JAX's default matmul precision), so its peak is the dense TF3
 is two GCDs and JAX sees each GCD as a device, so its per-device figure is half the module's.
 CPU has no spec sheet: a jitted matmul is timed in several calibration runs and their median is the peak,
 labelled as measured, with the spread in the record; the CPU devices of one process share its cores, so
-each gets an equal share.
+each gets an equal share. The calibration is made once per machine (CPU model, core count, dtype) and kept in
+a small JSON file with its spread and date (`MICROBENCH_PEAK_CACHE`, default ~/.cache/microbench/cpu_peaks.json):
+re-measured in every run it moved 38% between runs, so two runs' MFU differed more than their throughput.
+`MICROBENCH_REMEASURE_PEAK=1` measures again and replaces the entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
+import json
+import os
+import platform
 import statistics
 import time
 from typing import Any
@@ -83,15 +90,57 @@ def calibrate_cpu_matmul(dtype: str = "float32", n: int = 1024, runs: int = 5, r
           "matmul": f"{n}^3 {dtype}", "best_of": reps}
 
 
+def _cache_path() -> str:
+  return os.environ.get("MICROBENCH_PEAK_CACHE") or os.path.join(
+      os.path.expanduser("~"), ".cache", "microbench", "cpu_peaks.json")
+
+
+def _machine_key(dtype: str) -> str:
+  """What the peak depends on: the CPU model, its core count, the dtype (the matmul's size is fixed)."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+  except OSError:
+    pass
+  return f"{model} | {os.cpu_count()} cores | {dtype}"
+
+
+def machine_cpu_peak(dtype: str) -> dict[str, Any]:
+  """This machine's CPU calibration: measured once (calibrate_cpu_matmul), then read back from the cache file
+  with its date and spread; a cache that can't be read or written is measured around, never fatal."""
+  path, key = _cache_path(), _machine_key(dtype)
+  try:
+    with open(path, encoding="utf-8") as f:
+      cache = json.load(f)
+  except (OSError, ValueError):
+    cache = {}
+  if key in cache and not os.environ.get("MICROBENCH_REMEASURE_PEAK"):
+    return {**cache[key], "reused": True}
+  cal = {**calibrate_cpu_matmul(dtype), "machine": key,
+         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  cache[key] = cal
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(cache, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+  except OSError:
+    pass
+  return {**cal, "reused": False}
+
+
 def device_peak(device: jax.Device, dtype: str, local_devices: int) -> Peak:
-  """Peak TFLOP/s of one device: the table for accelerators, a measured matmul on CPU."""
+  """Peak TFLOP/s of one device: the table for accelerators, this machine's measured matmul on CPU."""
   if device.platform == "cpu":
-    cal = calibrate_cpu_matmul(dtype)
+    cal = machine_cpu_peak(dtype)
     machine = cal["median_tflops"]
     share = f", shared by {local_devices} CPU devices" if local_devices > 1 else ""
+    when = f"measured {cal['measured_at'][:10]}, reused" if cal["reused"] else "measured now"
     return Peak(machine / local_devices,
-                f"measured CPU matmul peak ({cal['matmul']}, median of {len(cal['tflops_runs'])} calibrations"
-                f" {machine:.3f} TFLOP/s per process, spread {100 * cal['spread']:.0f}%{share})", cal)
+                f"CPU matmul peak of this machine ({cal['matmul']}, median of {len(cal['tflops_runs'])} calibrations"
+                f" {machine:.3f} TFLOP/s per process, spread {100 * cal['spread']:.0f}%, {when}{share})", cal)
   peak = table_peak(device.device_kind, dtype)
   if peak is None:
     return Peak(None, f"unknown device kind {device.device_kind!r}: no spec-sheet peak in"
