@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from microbench.bench import reduce_ops
-from microbench.bench.known_inputs import FP8, GroupInputs
+from microbench.bench.known_inputs import FP8, GroupInputs, as_dtype
 
 REGISTRY: dict[str, "Collective"] = {}
 
@@ -146,9 +146,9 @@ class Reduction(Collective):
     from the compiled HLO on CPU and for GPU targets; tests pin both)."""
     if self.redop != "avg":
       return values
-    recip = float(_as(np.float32(1) / np.float32(inputs.n), wire_dtype))
-    product = _as(values.astype(np.float64) * recip, wire_dtype)  # exact in float64, rounded once
-    return _as(product, inputs.dtype).astype(np.float64)
+    recip = float(as_dtype(np.float32(1) / np.float32(inputs.n), wire_dtype))
+    product = as_dtype(values.astype(np.float64) * recip, wire_dtype)  # exact in float64, rounded once
+    return as_dtype(product, inputs.dtype).astype(np.float64)
 
   def combine(self, xs: np.ndarray) -> np.ndarray:
     """NumPy's reduction of [n, ...] over ranks (the readable specification)."""
@@ -363,11 +363,6 @@ def _gathered_after(inputs: GroupInputs, in_count: int) -> tuple[list[np.ndarray
   for shard in shards:
     shard[0] = first
   return shards, np.concatenate(shards)
-
-
-def _as(values, dtype: str) -> np.ndarray:
-  """`values` rounded to the dtype named `dtype` (16-bit and fp8 types through ml_dtypes, as jnp names them)."""
-  return np.asarray(values, np.dtype(getattr(jnp, dtype)))
 
 
 def _depend(x: jax.Array, y: jax.Array) -> jax.Array:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 PERIOD = 65521  # prime: an offset error must be an exact multiple of it to go unseen
@@ -54,6 +55,12 @@ RESIDUE_PRIME = {"bfloat16": 31, "float16": 251, "float32": 1048573, "int32": 67
 KMAX = {"bfloat16": 64, "float16": 512, "float32": 4096, "int32": 4096}
 KINDS = ("data", "sum", "prod", "max", "min")  # data moves; the others: which reduction the values are for
 GROUP_STEP = 7  # residue offset between groups (coprime to every L)
+
+
+def as_dtype(values, dtype: str) -> np.ndarray:
+  """`values` as a NumPy array of the dtype named `dtype` (16-bit and fp8 types through ml_dtypes, under the
+  names jax.numpy gives them); no copy when it already is."""
+  return np.asarray(values, np.dtype(getattr(jnp, dtype)))
 
 
 def _modulus(dtype: str) -> int:
@@ -105,7 +112,7 @@ def data_value(dtype: str, w: np.ndarray) -> np.ndarray:
 def _fp8_letters(dtype: str) -> np.ndarray:
   m = ALPHABET[dtype]
   ints = np.arange(-1024, 1025, dtype=np.int64)
-  held = ints[np.asarray(ints.astype(np.dtype(dtype)).astype(np.float64)) == ints]
+  held = ints[as_dtype(ints, dtype).astype(np.float64) == ints]
   mid = int(np.searchsorted(held, 0))
   return held[mid - m // 2: mid + m // 2]
 

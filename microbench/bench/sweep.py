@@ -336,21 +336,17 @@ def _compile_pool() -> futures.ThreadPoolExecutor:
   return _POOL
 
 
-def _submit(coll, mesh, plan, count: int, dtype: str, reps: int | None) -> list[futures.Future]:
-  pool = _compile_pool()
-  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
-          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
-  if reps:
-    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
-  return jobs
-
-
 def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None):
   """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long
   arm, compiled concurrently: XLA compiles release the GIL, and the three are independent."""
   if cfg.latency_mode:
     return program.build_check(coll, mesh, plan, count, dtype), None, None
-  done = [j.result() for j in _submit(coll, mesh, plan, count, dtype, reps)]
+  pool = _compile_pool()
+  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
+          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
+  if reps:
+    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
+  done = [j.result() for j in jobs]
   return done[0], done[1], done[2] if reps else None
 
 
@@ -383,15 +379,12 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   if not active:
     out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
               " nothing, and XLA removes it); no point is recorded")
-  blocks = []
   for c in cfg.collectives:
     for d in cfg.dtypes:
-      reason = collectives.get(c).refuses(d)
-      if reason:
-        out.print(f"# {c} in {d} skipped: {reason}")
-      else:
-        blocks.extend((c, p, d) for p in active)
-  blocks.sort(key=lambda b: (cfg.collectives.index(b[0]), active.index(b[1]), cfg.dtypes.index(b[2])))
+      if collectives.get(c).refuses(d):
+        out.print(f"# {c} in {d} skipped: {collectives.get(c).refuses(d)}")
+  blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes
+            if not collectives.get(c).refuses(d)]
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)

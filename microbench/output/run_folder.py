@@ -100,9 +100,9 @@ def _cell(v: Any) -> str:
   return repr(v) if isinstance(v, float) else str(v)
 
 
-def write_csv(path: str, records: list[dict[str, Any]]) -> None:
+def write_csv(path: str, records: list[dict[str, Any]]) -> list[str]:
   """All records as one table (the union of their fields), replaced atomically so a reader never sees
-  half a file; a field a record lacks is an empty cell."""
+  half a file; a field a record lacks is an empty cell. Returns the columns (the header) written."""
   rows = [flatten(r) for r in records]
   names = {k for row in rows for k in row}
   columns = [c for c in CSV_LEAD if c in names] + sorted(names - set(CSV_LEAD))
@@ -113,6 +113,7 @@ def write_csv(path: str, records: list[dict[str, Any]]) -> None:
     for row in rows:
       w.writerow([_cell(row.get(c)) for c in columns])
   os.replace(tmp, path)
+  return columns
 
 
 def read_results(outdir: str) -> list[dict[str, Any]]:
@@ -145,6 +146,7 @@ class RunOutputs:
       os.makedirs(outdir, exist_ok=True)
       jsonl.end_torn_line(os.path.join(outdir, RESULTS))
       self._rows = read_results(outdir)  # a resumed run's CSV keeps the earlier points
+      self._csv_columns: list[str] | None = None  # the CSV's header as written (None: not written yet)
       self._results = open(os.path.join(outdir, RESULTS), "a")
       self._tb = TensorBoardLog(outdir)
 
@@ -207,11 +209,9 @@ class RunOutputs:
     (a long sweep would otherwise rewrite its CSV once per point: quadratic)."""
     path = os.path.join(self.outdir, RESULTS_CSV)
     row = flatten(rec)
-    columns = getattr(self, "_csv_columns", None)
+    columns = self._csv_columns
     if columns is None or not set(row) <= set(columns) or not os.path.exists(path):
-      write_csv(path, self._rows)
-      with open(path, newline="", encoding="utf-8") as f:
-        self._csv_columns = next(csv.reader(f))
+      self._csv_columns = write_csv(path, self._rows)
       return
     with open(path, "a", newline="", encoding="utf-8") as f:
       csv.writer(f).writerow([_cell(row.get(c)) for c in columns])

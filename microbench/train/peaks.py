@@ -101,7 +101,7 @@ def _machine_key(dtype: str) -> str:
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-  except OSError:
+  except OSError:  # no /proc (not Linux): platform's name stands
     pass
   return f"{model} | {os.cpu_count()} cores | {dtype}"
 
@@ -126,7 +126,7 @@ def machine_cpu_peak(dtype: str) -> dict[str, Any]:
     with open(tmp, "w", encoding="utf-8") as f:
       json.dump(cache, f, indent=1, sort_keys=True)
     os.replace(tmp, path)
-  except OSError:
+  except OSError:  # a read-only home: this run uses its measurement, the next one measures again
     pass
   return {**cal, "reused": False}
 
