@@ -4,6 +4,7 @@ timeout or Ctrl-C (a hung multi-host job is the failure users hit most)."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import subprocess
@@ -142,3 +143,6 @@ def test_mpirun_example_on_localhost(tmp_path):
                      capture_output=True, text=True, timeout=120, cwd=REPO, env=env, check=False)
   assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
   assert "2 process(es)" in r.stdout
+  meta = json.loads(read(tmp_path / "run" / "meta.json"))  # Open MPI's ranks joined one jax.distributed job
+  assert meta["status"] == "finished" and meta["process_count"] == 2
+  assert [p["process"] for p in meta["processes"]] == [0, 1]
