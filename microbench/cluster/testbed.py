@@ -13,7 +13,8 @@ name prefix, so a crashed `up` or a killed job leaves nothing behind once `down`
 
 gloo picks the address it advertises by resolving the machine's hostname; inside a namespace that would
 be 127.0.0.1, so each host namespace gets /etc/netns/<ns>/hosts (which `ip netns exec` bind-mounts over
-/etc/hosts) mapping the hostname to the host's own address.
+/etc/hosts) mapping the hostname to the host's own address, and every other host's namespace name to its
+address (so a host can reach another by name, as SLURM's node names and JAX's SLURM coordinator do).
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ class Testbed:
       os.makedirs(etc, exist_ok=True)
       with open(os.path.join(etc, "hosts"), "w", encoding="ascii") as f:
         f.write(f"127.0.0.1 localhost\n::1 localhost\n{self.addr(i)} {socket.gethostname()} {ns}\n")
+        f.writelines(f"{self.addr(j)} {self.host_ns(j)}\n" for j in range(self.hosts) if j != i)
       _run(["ip", "-n", ns, "link", "set", "lo", "up"])
       _run(["ip", "-n", sw, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", ns])
       _run(["ip", "-n", sw, "link", "set", f"h{i}", "master", f"br{self.rack_of(i)}", "up"])

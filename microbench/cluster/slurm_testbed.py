@@ -1,0 +1,236 @@
+"""A real SLURM on the emulated cluster: munged, a slurmctld, and one slurmd per testbed host.
+
+Each testbed host (a network namespace) runs its own `slurmd -N <host>`, listening on the host's address, so
+SLURM's steps, srun's I/O and the jobs' traffic all cross the testbed's shaped links; the controller runs in
+host 0's namespace (a head node that is also a compute node). Daemons share one private configuration in a
+work folder (slurm.conf, topology.conf with one switch per rack under a core switch, gres.conf with fake GPU
+files), run as root in the foreground as children of this process, without cgroups (proctrack/linuxproc,
+task/none), and are killed by process id in `down`; removing the testbed afterwards kills whatever their
+steps left in the namespaces. munged runs in the root namespace: its socket is a file, reachable from every
+namespace.
+
+SLURM's clients (sbatch, srun, salloc, sinfo) must run inside a host's namespace, where the controller's
+address is reachable: `exec_argv` wraps a command, `env` points it at the configuration (SLURM_CONF).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+
+from microbench.cluster import testbed as tbm
+
+DAEMONS = ("munged", "slurmctld", "slurmd", "unshare")
+CLIENTS = ("sbatch", "srun", "salloc", "sinfo", "scontrol", "squeue")
+PARTITION = "testbed"
+
+
+class SlurmTestbedError(Exception):
+  """A one-line reason why SLURM could not be started on the testbed."""
+
+
+def missing_parts() -> str | None:
+  """What is missing to run SLURM on the testbed (Debian: `apt-get install slurm-wlm munge`), or None."""
+  missing = [t for t in DAEMONS + CLIENTS if shutil.which(t) is None and not os.path.exists(f"/usr/sbin/{t}")]
+  if missing:
+    return f"SLURM's {', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge)"
+  return tbm.permission_problem()
+
+
+def _daemon(name: str) -> str:
+  return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+def hostlist(names: Sequence[str]) -> str:
+  return ",".join(names)
+
+
+def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cpus: int, gpus: int) -> str:
+  """slurm.conf for the testbed: node i is host i's namespace name at its testbed address."""
+  ctl = bed.host_name(0)
+  lines = [
+      f"ClusterName={bed.prefix}",
+      f"SlurmctldHost={ctl}({bed.addr(0)})", "MailProg=/bin/true",
+      "SlurmUser=root", "SlurmdUser=root",
+      f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
+      "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={os.path.join(work, 'munge.socket')}",
+      f"StateSaveLocation={os.path.join(work, 'state')}",
+      f"SlurmdSpoolDir={os.path.join(work, 'spool', '%n')}",
+      f"SlurmctldPidFile={os.path.join(work, 'slurmctld.pid')}",
+      f"SlurmdPidFile={os.path.join(work, 'spool', '%n', 'slurmd.pid')}",
+      f"SlurmctldLogFile={os.path.join(work, 'log', 'slurmctld.log')}",
+      f"SlurmdLogFile={os.path.join(work, 'log', 'slurmd-%n.log')}",
+      "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+      "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "LaunchParameters=use_interactive_step",
+      "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "TopologyPlugin=topology/tree",
+      "SchedulerType=sched/backfill", "SchedulerParameters=sched_interval=1",
+      "SlurmdParameters=config_overrides",  # CPUs as configured, not as this machine has
+      "ReturnToService=2", "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "MinJobAge=30",
+      "KillWait=5", "MessageTimeout=20", "UnkillableStepTimeout=30",
+      "GresTypes=gpu" if gpus else "",
+  ]
+  gres = f" Gres=gpu:{gpus}" if gpus else ""
+  for i in range(bed.hosts):
+    lines.append(f"NodeName={bed.host_name(i)} NodeAddr={bed.addr(i)} CPUs={cpus} RealMemory=1000{gres} "
+                 "State=UNKNOWN")
+  names = [bed.host_name(i) for i in range(bed.hosts)]
+  lines.append(f"PartitionName={PARTITION} Nodes={hostlist(names)} Default=YES MaxTime=INFINITE State=UP")
+  return "\n".join(line for line in lines if line) + "\n"
+
+
+def topology_conf(bed: tbm.Testbed) -> str:
+  """topology/tree: one leaf switch per rack; with several racks, a core switch above them."""
+  racks: dict[int, list[str]] = {}
+  for i in range(bed.hosts):
+    racks.setdefault(bed.rack_of(i), []).append(bed.host_name(i))
+  lines = [f"SwitchName=rack{r} Nodes={hostlist(nodes)}" for r, nodes in sorted(racks.items())]
+  if len(racks) > 1:
+    lines.append(f"SwitchName=core Switches={','.join(f'rack{r}' for r in sorted(racks))}")
+  return "\n".join(lines) + "\n"
+
+
+class SlurmTestbed:
+  """SLURM over a built testbed; `up()` starts it and waits until every node is idle, `down()` stops it.
+
+  `cpus` and `gpus` are what each node declares (the GPUs are empty files: GRES bookkeeping only)."""
+
+  def __init__(self, bed: tbm.Testbed, work: str, *, cpus: int = 8, gpus: int = 8):
+    self.bed = bed
+    self.work = os.path.abspath(work)
+    self.cpus = cpus
+    self.gpus = gpus
+    self.conf = os.path.join(self.work, "slurm.conf")
+    self._procs: list[subprocess.Popen] = []
+    self._slurmd: dict[int, subprocess.Popen] = {}
+
+  def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for SLURM's clients: base (default os.environ) with SLURM_CONF and no inherited job."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if not k.startswith("SLURM_")}
+    env["SLURM_CONF"] = self.conf
+    return env
+
+  def exec_argv(self, argv: Sequence[str], host: int = 0) -> list[str]:
+    """A command run inside host `host`'s namespace (where the controller is reachable)."""
+    return self.bed.exec_argv(host, list(argv))
+
+  def daemon_argv(self, argv: Sequence[str], host: int) -> list[str]:
+    """A daemon run inside host `host`'s namespace under the host's name (its own UTS namespace), so that
+    slurmctld finds itself in SlurmctldHost and each step's processes see their node's host name."""
+    return self.exec_argv(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.bed.host_name(host),
+                           *argv], host)
+
+  def run(self, argv: Sequence[str], host: int = 0, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    kwargs.setdefault("env", self.env())
+    return subprocess.run(self.exec_argv(argv, host), capture_output=True, text=True, timeout=timeout,
+                          check=False, **kwargs)
+
+  # Life cycle.
+  def _write_config(self) -> None:
+    for sub in ("state", "log", "dev") + tuple(os.path.join("spool", self.bed.host_name(i))
+                                               for i in range(self.bed.hosts)):
+      os.makedirs(os.path.join(self.work, sub), exist_ok=True)
+    ctld_port = self.bed.free_port(0)
+    slurmd_port = self.bed.free_port(0)
+    while slurmd_port == ctld_port:
+      slurmd_port = self.bed.free_port(0)
+    with open(self.conf, "w", encoding="ascii") as f:
+      f.write(slurm_conf(self.bed, self.work, ctld_port, slurmd_port, self.cpus, self.gpus))
+    with open(os.path.join(self.work, "topology.conf"), "w", encoding="ascii") as f:
+      f.write(topology_conf(self.bed))
+    with open(os.path.join(self.work, "gres.conf"), "w", encoding="ascii") as f:
+      if self.gpus:
+        for g in range(self.gpus):
+          open(os.path.join(self.work, "dev", f"gpu{g}"), "a", encoding="ascii").close()
+        f.write(f"Name=gpu File={os.path.join(self.work, 'dev', 'gpu')}[0-{self.gpus - 1}]\n")
+    with open(os.path.join(self.work, "cgroup.conf"), "w", encoding="ascii") as f:
+      # slurmd 22.05 loads a cgroup plugin even when no other plugin uses it, and `ip netns exec` mounts a
+      # fresh /sys without cgroups, where autodetection fails; v1 named explicitly loads without a mount.
+      f.write("CgroupPlugin=cgroup/v1\n")
+    key = os.path.join(self.work, "munge.key")
+    with open(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o400), "wb") as f:
+      f.write(os.urandom(1024))
+
+  def _start(self, argv: list[str], log: str) -> subprocess.Popen:
+    with open(os.path.join(self.work, "log", log), "ab") as out:
+      proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                              env=self.env(), start_new_session=True)
+    self._procs.append(proc)
+    return proc
+
+  def up(self, timeout: float = 60) -> None:
+    """Starts munged, slurmctld and the slurmds; on any error stops what it started and raises."""
+    problem = missing_parts()
+    if problem:
+      raise SlurmTestbedError(problem)
+    self.bed.check_alive()
+    try:
+      self._write_config()
+      w = self.work
+      self._start([_daemon("munged"), "--foreground", "--force", f"--socket={w}/munge.socket",
+                   f"--key-file={w}/munge.key", f"--pid-file={w}/munged.pid", f"--log-file={w}/log/munged.log",
+                   f"--seed-file={w}/munged.seed"], "munged.out")
+      self._wait(lambda: os.path.exists(f"{w}/munge.socket"), timeout, "munged did not create its socket")
+      self._start(self.daemon_argv([_daemon("slurmctld"), "-D", "-i", "-f", self.conf], 0), "slurmctld.out")
+      for i in range(self.bed.hosts):
+        self._slurmd[i] = self._start(
+            self.daemon_argv([_daemon("slurmd"), "-D", "-N", self.bed.host_name(i), "-f", self.conf], i),
+            f"slurmd-{self.bed.host_name(i)}.out")
+      self._wait(self._all_idle, timeout, "the nodes did not come up idle")
+    except BaseException:
+      self.down()
+      raise
+
+  def _wait(self, ready, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+      dead = [p for p in self._procs if p.poll() is not None]
+      if dead:
+        name = next((os.path.basename(a) for a in dead[0].args if os.path.basename(a) in DAEMONS), "a daemon")
+        raise SlurmTestbedError(f"{name} exited with {dead[0].returncode}; logs in {self.work}/log")
+      if time.monotonic() > deadline:
+        raise SlurmTestbedError(f"{what} within {timeout:.0f} s; logs in {self.work}/log")
+      time.sleep(0.25)
+
+  def node_states(self) -> dict[str, str]:
+    r = self.run(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=30)
+    return dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2) if r.returncode == 0 else {}
+
+  def _all_idle(self) -> bool:
+    states = self.node_states()
+    return len(states) == self.bed.hosts and all(s == "idle" for s in states.values())
+
+  def kill_slurmd(self, host: int) -> None:
+    """Kills host `host`'s slurmd (SIGKILL), as a failed node; its steps' processes keep running."""
+    proc = self._slurmd.get(host)
+    if proc is not None and proc.poll() is None:
+      os.kill(proc.pid, signal.SIGKILL)
+      proc.wait()
+
+  def down(self) -> None:
+    """Stops every daemon this object started (SIGTERM, SIGKILL after 5 s), in reverse order."""
+    for proc in reversed(self._procs):
+      if proc.poll() is None:
+        try:
+          os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+          pass
+    deadline = time.monotonic() + 5
+    for proc in reversed(self._procs):
+      try:
+        proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+      except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    self._procs.clear()
+    self._slurmd.clear()
+
+  def __enter__(self) -> SlurmTestbed:
+    self.up()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.down()
