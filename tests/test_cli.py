@@ -47,7 +47,7 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert env["toolkit"]["version"] and "NCCL_ALGO=Ring" in r.stdout and f"jax {meta['jax_version']}" in r.stdout
   # Link peaks: per level in meta.json, and per record with busbw's share of the scope's bound.
   assert meta["link_peaks"]["scale_up"]["gbps"] == 100 and meta["link_peaks"]["scale_out"]["link"] == "ndr"
-  from microbench.cluster import link_peaks
+  from microbench.fabric import peaks as link_peaks
   peaks = link_peaks.parse("scale_up:100,scale_out:ndr")
   for rec in recs:
     axes = meta["scopes"][rec["scope"]]["axes"]

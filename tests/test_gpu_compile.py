@@ -20,7 +20,7 @@ from meshes.mesh import build_mesh
 from meshes.scopes import plan_scopes
 from meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program
-from microbench.cluster import link_peaks
+from microbench.fabric import peaks as link_peaks
 from microbench.target import compile_only, gpu_kinds
 from microbench.train import peaks
 

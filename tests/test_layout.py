@@ -2,7 +2,7 @@
 
 Layers, bottom to top: `meshes` (topologies, meshes, scopes, strategies as rules); `models` (Flax models,
 on meshes only); `microbench.target` (GPU kinds as data, compile-only devices); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
-hosts); `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the
+hosts); `microbench.fabric` (the machine's links as data, the models on them); `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the
 two measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
 commands) on top.
 """
@@ -23,10 +23,11 @@ LAYER = {
     "models": 1,
     "microbench.target": 2,  # GPU kinds as data, compile-only devices: what the machine is, below everything
     "microbench.hlo": 3, "microbench.output": 3, "microbench.cluster": 3,
-    "microbench.report": 4,  # reads run folders; below the measurements so a run can leave its fit and figures
-    "microbench.bench": 5, "microbench.train": 5,
-    "microbench.study": 6,
-    "microbench.cli": 7, "microbench": 7,  # microbench/__init__ and __main__ (python -m microbench)
+    "microbench.fabric": 4,  # the machine's links as data and the models on them (peaks, predictions, flows)
+    "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
+    "microbench.bench": 6, "microbench.train": 6,
+    "microbench.study": 7,
+    "microbench.cli": 8, "microbench": 8,  # microbench/__init__ and __main__ (python -m microbench)
 }
 
 

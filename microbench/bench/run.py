@@ -15,7 +15,8 @@ from absl import app
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
-from microbench.cluster import distributed, environment, link_peaks, machine
+from microbench.cluster import distributed, environment, machine
+from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta

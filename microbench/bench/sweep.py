@@ -18,7 +18,8 @@ import numpy as np
 from meshes.scopes import ScopePlan
 from microbench.bench import collectives, hlo_check, program
 from microbench.bench.sizes import round_count, sweep
-from microbench.cluster import distributed, link_peaks
+from microbench.cluster import distributed
+from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog, deadline
 from microbench.output import run_folder, table
 from microbench.output.run_folder import point_keys

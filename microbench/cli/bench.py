@@ -16,7 +16,8 @@ from meshes.scopes import SCOPES
 from microbench.bench import collectives, reduce_ops, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
-from microbench.cluster import link_peaks, machine
+from microbench.cluster import machine
+from microbench.fabric import peaks as link_peaks
 from microbench.output import run_folder
 
 FLAGS = flags.FLAGS

@@ -1,0 +1,156 @@
+"""The fabric model on hand-made fabrics with known answers (no devices, no network)."""
+
+from __future__ import annotations
+
+import pytest
+
+from microbench.fabric import collectives as fc
+from microbench.fabric import description as fd
+from microbench.fabric import flows as fl
+from microbench.fabric import jobs as fj
+from microbench.fabric import peaks
+
+
+# Flows.
+def test_one_link_shared_by_two_equal_flows_halves_each():
+  rates = fl.max_min_rates({"a": ["L"], "b": ["L"]}, {"L": 10.0})
+  assert rates == {"a": 5.0, "b": 5.0}
+  done = fl.simulate([fl.Flow("a", ("L",), 10.0), fl.Flow("b", ("L",), 10.0)], {"L": 10.0})
+  assert done == pytest.approx({"a": 2.0, "b": 2.0})  # alone each would take 1.0
+
+
+def test_a_flow_held_back_elsewhere_leaves_its_share_to_the_others():
+  # b is limited to 2 by its other link; max-min gives a the rest of L (8), not an equal 5.
+  rates = fl.max_min_rates({"a": ["L"], "b": ["L", "slow"]}, {"L": 10.0, "slow": 2.0})
+  assert rates == pytest.approx({"a": 8.0, "b": 2.0})
+
+
+def test_staggered_flows_share_only_while_they_overlap():
+  # a alone for 0.5 s (5 bytes), then both at 5/s: a's last 5 bytes take 1 s -> 1.5; b's 10 take 1 s at 5/s
+  # then the rest at 10/s: 5 bytes in 1 s, 5 in 0.5 s -> 2.0.
+  done = fl.simulate([fl.Flow("a", ("L",), 10.0), fl.Flow("b", ("L",), 10.0, start=0.5)], {"L": 10.0})
+  assert done == pytest.approx({"a": 1.5, "b": 2.0})
+
+
+def test_flow_errors_are_one_line():
+  with pytest.raises(ValueError, match="no capacity: X"):
+    fl.max_min_rates({"a": ["X"]}, {"L": 1.0})
+  with pytest.raises(ValueError, match="cross no link"):
+    fl.max_min_rates({"a": []}, {"L": 1.0})
+
+
+# Jobs side by side.
+def _job(name: str, compute_s: float, links: tuple[str, ...], comm_bytes: float) -> fj.Job:
+  return fj.Job(name, (fj.Phase(compute_s=compute_s), fj.Phase(flows=((links, comm_bytes),))))
+
+
+def test_a_half_communicating_job_sharing_its_only_link_with_an_equal_job_gets_sigma_one_and_a_half():
+  cap = {"up": 1.0}
+  a, b = _job("a", 1.0, ("up",), 1.0), _job("b", 1.0, ("up",), 1.0)  # 1 s compute, 1 s of traffic alone
+  s = fj.sigma([a, b], cap)
+  assert s["a"]["alone_s"] == pytest.approx(2.0)
+  assert s["a"]["sigma"] == pytest.approx(1.5) and s["b"]["sigma"] == pytest.approx(1.5)
+
+
+def test_a_job_inside_its_rack_is_unaffected_by_uplink_load():
+  cap = {"h0": 1.0, "h1": 1.0, "h2": 1.0, "h3": 1.0, "up0": 0.25}
+  inside = _job("inside", 0.5, ("h0", "h1"), 1.0)
+  heavy = [_job(f"cross{i}", 0.1, (f"h{2 + i}", "up0"), 2.0) for i in range(2)]
+  s = fj.sigma([inside, *heavy], cap)
+  assert s["inside"]["sigma"] == pytest.approx(1.0)
+  assert s["cross0"]["sigma"] > 1.5  # the uplink is what they share
+
+
+def test_the_mutation_a_model_without_sharing_fails_the_known_answer(monkeypatch):
+  """The sigma 1.5 test is proven by the bug it catches: rates that ignore other flows give sigma 1."""
+  monkeypatch.setattr(fl, "max_min_rates", lambda paths, cap: {f: min(cap[x] for x in p) for f, p in paths.items()})
+  s = fj.sigma([_job("a", 1.0, ("up",), 1.0), _job("b", 1.0, ("up",), 1.0)], {"up": 1.0})
+  assert s["a"]["sigma"] == pytest.approx(1.0)
+
+
+# Collectives on described fabrics.
+def _two_racks(host_gbps=1.0, uplink_gbps=0.25) -> fd.Fabric:
+  return fd.testbed(hosts_per_rack=2, host_rate_gbps=host_gbps, uplink_rate_gbps=uplink_gbps)
+
+
+def test_ring_all_reduce_over_two_hosts_moves_one_message_each_way():
+  fab = _two_racks()
+  p = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2), "ring")
+  assert p.time_us == pytest.approx(1e6 / 1e3)  # 2 (n-1)/n S = S over 1 GB/s: 1000 us, no latency fitted
+  assert p.bottleneck == "nic" and p.busbw_gbps == pytest.approx(1.0)
+
+
+def test_the_tapered_uplink_bounds_a_group_across_racks():
+  fab = _two_racks()
+  p = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2, 2), "ring")
+  assert p.bottleneck == "leaf_up"
+  assert p.busbw_gbps == pytest.approx(0.25)  # the ring crosses each rack's uplink once each way
+  inside = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2, 1), "ring")
+  assert inside.busbw_gbps == pytest.approx(1.0)
+
+
+def test_all_to_all_across_racks_sends_half_of_each_racks_data_up():
+  fab = _two_racks()
+  p = fc.predict(fab, "all_to_all", 4e6, fc.Shape(1, 2, 2), "ring")
+  # Out of one rack: 2 ranks x S x 2/4 = S over 0.25 GB/s.
+  assert p.terms_us["leaf_up"] == pytest.approx(4e6 / 0.25e3)
+
+
+def test_auto_takes_the_fastest_and_names_it():
+  dgx = fd.system("dgx")
+  small = fc.predict(dgx, "all_reduce", 1024, fc.dense_shape(dgx, 64))
+  large = fc.predict(dgx, "all_reduce", 1 << 30, fc.dense_shape(dgx, 16))
+  assert small.algorithm == "tree (auto)" and small.bottleneck == "latency"
+  assert large.algorithm == "ring (auto)" and large.bottleneck == "nic"
+  assert large.busbw_gbps == pytest.approx(200, rel=0.02)  # 8 HDR NICs of 25 GB/s per node
+  h = fd.system("jupiter")
+  assert fc.predict(h, "all_reduce", 1 << 30, fc.dense_shape(h, 4)).algorithm == "nvls (auto)"
+  with pytest.raises(fd.FabricError, match="does not apply"):
+    fc.predict(fd.system("leonardo"), "all_reduce", 1 << 20, fc.dense_shape(fd.system("leonardo"), 4), "nvls")
+
+
+def test_single_node_figures_are_within_reach_of_published_nccl_numbers():
+  """hardware.md: 8 x H100 ring ~370 GB/s, NVLS ~480; the model's link-rate bounds must sit above them
+  (a bound below a measurement is wrong) and within 2x (a bound far above says nothing)."""
+  h100 = fd.Fabric(name="dgx-h100", gpu="H100", gpus_per_node=8, scale_up_gbps=450.0, nic_gbps=50.0,
+                   nics_per_node=8, nodes_per_leaf=32, leaves_per_group=1, scale_up_link="nvlink4")
+  ring = fc.predict(h100, "all_reduce", 8 << 30, fc.dense_shape(h100, 8), "ring").busbw_gbps
+  nvls = fc.predict(h100, "all_reduce", 8 << 30, fc.dense_shape(h100, 8), "nvls").busbw_gbps
+  assert 370 <= ring <= 2 * 370 and 480 <= nvls <= 2 * 480
+
+
+def test_fabric_feeds_the_sweeps_link_peaks():
+  dgx = fd.system("dgx").level_peaks()
+  assert dgx["scale_up"].gbps == peaks.LINKS["nvlink3"][0] and dgx["scale_out"].gbps == 25.0
+  lumi = fd.system("lumi").level_peaks()
+  assert lumi["scale_out"].gbps == pytest.approx(4 * 25.0 / 8)  # 4 NICs shared by 8 GCDs
+  assert "rack_scale" in fd.system("nvl72").level_peaks()
+
+
+def test_fitted_level_replaces_the_link_rate():
+  fab = _two_racks().fitted("nic", gbps=0.5, hop_us=100.0)
+  p = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2), "ring")
+  assert p.time_us == pytest.approx(1e6 / 0.5e3 + 2 * 100.0)
+  assert "link-rate bound: no level fitted from a sweep" not in p.assumed
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("summit", "unknown fabric 'summit'"),
+    ("leonardo:leaf_up=-1", "positive number"),
+    ("leonardo:spine=3", "choose from"),
+    ("testbed:host_rate=fast", "testbed fabric"),
+])
+def test_bad_fabric_specs_are_one_line(spec, msg):
+  with pytest.raises(fd.FabricError, match=msg):
+    fd.parse(spec)
+
+
+def test_bad_shapes_and_sizes_are_one_line():
+  with pytest.raises(fd.FabricError, match="group shape"):
+    fc.Shape.parse("4x0")
+  with pytest.raises(fd.FabricError, match="does not fit"):
+    fc.predict(fd.system("dgx"), "all_reduce", 1e6, fc.Shape(16))
+  with pytest.raises(fd.FabricError, match="positive number of bytes"):
+    fc.predict(fd.system("dgx"), "all_reduce", 0, fc.Shape(8))
+  assert fc.Shape.parse("4x2").ranks == 8
+  assert fc.dense_shape(fd.system("leonardo"), 64).text() == "4x10x2x1 (64 ranks)"
