@@ -248,5 +248,6 @@ def predict(fab: Fabric, collective: str, size_bytes: float, shape: Shape, algor
                         _assumptions(fab, name, shape))
   if best is None:
     raise FabricError(f"algorithm {algorithm} does not apply to {collective} over {shape.text()}"
-                      f" (tree and hierarchical: all_reduce; nvls: all_reduce inside one NVLink domain)")
+                      f" (tree and hierarchical: all_reduce; nvls: all_reduce inside one NVLink"
+                      f" domain of NVLink 4 or later)")
   return best

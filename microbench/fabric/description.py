@@ -167,17 +167,17 @@ def system(name: str) -> Fabric:
 
 
 def testbed(hosts_per_rack: int, host_rate_gbps: float | None, uplink_rate_gbps: float | None,
-            racks_per_group: int = 1 << 20, hop_us: float = 0.0) -> Fabric:
+            racks: int = 4, hop_us: float = 0.0) -> Fabric:
   """The emulated cluster: one rank per host, a shaped veth per host into its rack's bridge, one shaped
   uplink per rack into the core (the core itself is not shaped: non-blocking)."""
   return Fabric(name="testbed", gpu="cpu", gpus_per_node=1, scale_up_gbps=None, nic_gbps=host_rate_gbps,
-                nics_per_node=1, nodes_per_leaf=hosts_per_rack, leaves_per_group=racks_per_group,
+                nics_per_node=1, nodes_per_leaf=hosts_per_rack, leaves_per_group=racks,
                 leaf_up_gbps=uplink_rate_gbps, nic_link="veth (tc tbf)", net_hop_us=hop_us, base_us=0.0,
                 assumed=("one rank per host; latencies until fitted: none",))
 
 
 def parse(spec: str) -> Fabric:
-  """`leonardo`, ..., or `testbed:hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit`; any described
+  """`leonardo`, ..., or `testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit`; any described
   system also takes `leaf_up=GBPS,group_up=GBPS` (tapered uplinks) and `nic=GBPS,scale_up=GBPS`."""
   name, _, rest = spec.strip().partition(":")
   opts = {}
@@ -187,16 +187,18 @@ def parse(spec: str) -> Fabric:
       raise FabricError(f"bad fabric option {item!r}: want KEY=VALUE")
     opts[key.strip()] = value.strip()
   if name.strip().lower() == "testbed":
-    known = {"hosts_per_rack", "host_rate", "uplink_rate"}
+    known = {"racks", "hosts_per_rack", "host_rate", "uplink_rate"}
     if set(opts) - known:
       raise FabricError(f"testbed fabric options: {', '.join(sorted(known))}; got {', '.join(sorted(set(opts) - known))}")
     try:
       host = tb.parse_rate(opts.get("host_rate", "400mbit"))
       up = tb.parse_rate(opts.get("uplink_rate", "100mbit"))
-      per_rack = int(opts.get("hosts_per_rack", "2"))
+      per_rack, racks = int(opts.get("hosts_per_rack", "2")), int(opts.get("racks", "4"))
     except ValueError as e:
       raise FabricError(f"testbed fabric: {e}") from None
-    return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up))
+    if per_rack < 1 or racks < 1:
+      raise FabricError("testbed fabric: racks and hosts_per_rack must be >= 1")
+    return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up), racks)
   fab = system(name)
   keys = {"leaf_up": "leaf_up_gbps", "group_up": "group_up_gbps", "nic": "nic_gbps", "scale_up": "scale_up_gbps"}
   change = {}
