@@ -100,6 +100,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--iters=4"], "--iters=4: use 1 (latency mode"),
     (["--max_bytes=64T"], "lower --max_bytes"),
     (["--link_peaks=scale_out:fast"], "--link_peaks scale_out:fast: give GB/s"),
+    (["--fabric=summit"], "unknown fabric 'summit'"),
     (["stray"], "unexpected arguments"),
     (["--op=mean"], "unknown reduction operator mean: choose from sum, max, min, prod, avg or all"),
     (["--profile_points=first"], "--profile_points=first: give point numbers"),

@@ -16,6 +16,7 @@ from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
 from microbench.cluster import distributed, environment, machine
+from microbench.fabric import description as fabric_description
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
@@ -99,8 +100,10 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     cfg = dataclasses.replace(cfg, profile_dir=outdir)
   plans = plan_scopes(topology, cfg.scopes)
   try:
-    peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, link_peaks.parse(cfg.link_peaks))
-  except link_peaks.LinkPeakError as e:
+    fab = fabric_description.parse(cfg.fabric) if cfg.fabric else None
+    given = {**(fab.level_peaks() if fab else {}), **link_peaks.parse(cfg.link_peaks)}
+    peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, given)
+  except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
     raise app.UsageError(str(e)) from None
   out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
   previous = run_folder.read_results(outdir) if resumed else []
@@ -115,6 +118,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
       "status": "running",
       "link_peaks": link_peaks.describe(peaks),
+      "fabric": fab.describe() if fab else None,
       "target": target.describe() if target else None,
       "environment": environment.capture(hosts) if out.enabled else None,
   }

@@ -51,6 +51,7 @@ class SweepConfig:
   inject_delay: tuple[int, float] | None = None  # (rank, seconds per operation): a slow rank
   inject_crash: tuple[int, int] | None = None    # (rank, point index): a rank that dies mid-sweep
   link_peaks: str | None = None  # --link_peaks: link peak per fabric level (else device-kind defaults)
+  fabric: str | None = None  # --fabric: a described machine whose links give the peaks (--link_peaks wins)
   inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
   target: str | None = None        # --target: compile for this GPU kind's compile-only devices, run nothing
   device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)

@@ -17,6 +17,7 @@ from microbench.bench import collectives, reduce_ops, run as bench_run, sizes, s
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import machine
+from microbench.fabric import description as fabric_description
 from microbench.fabric import peaks as link_peaks
 from microbench.output import run_folder
 
@@ -47,6 +48,9 @@ flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nod
 flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
                     f" name ({', '.join(link_peaks.LINKS)}): e.g. scale_up:450,scale_out:ndr. Levels:"
                     f" {', '.join(link_peaks.LEVELS)}. Default: NVLink from the device kind; no NIC peak.")
+flags.DEFINE_string("fabric", None, "A described machine whose links give the link peaks (one description for"
+                    " sweeps, predictions and the study): leonardo, lumi, alps, jupiter, dgx, nvl72, with"
+                    " :nic=GBPS,... overrides; --link_peaks, where given, wins per level.")
 flags.DEFINE_list("profile_points", [], "Point numbers (as the table's progress counts them, from 1) to trace with"
                   " jax.profiler after they are measured: one call of each timed program into the run folder"
                   " (TensorBoard's Profile tab).")
@@ -60,7 +64,7 @@ flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RA
                     " runs, like a collective that never returns.")
 
 SWEEP_FLAGS = ("collectives", "op", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "hang_timeout", "target")
+               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -129,7 +133,9 @@ def config_from_flags() -> sweep.SweepConfig:
   crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
   try:
     link_peaks.parse(FLAGS.link_peaks)
-  except link_peaks.LinkPeakError as e:
+    if FLAGS.fabric:
+      fabric_description.parse(FLAGS.fabric)
+  except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
     raise app.UsageError(str(e)) from None
   hang = _rank_value(FLAGS.inject_hang, "inject_hang", 1)
   dtypes = _choose(FLAGS.dtype, tuple(DTYPES), "dtype")
@@ -151,7 +157,7 @@ def config_from_flags() -> sweep.SweepConfig:
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
       sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
-      inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks,
+      inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks, fabric=FLAGS.fabric,
       inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile)
 
 
