@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from microbench.cluster import testbed as tbm
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "unshare")
-CLIENTS = ("sbatch", "srun", "salloc", "sinfo", "scontrol", "squeue")
+CLIENTS = ("sbatch", "srun", "salloc", "sinfo", "scontrol", "squeue", "scancel")
 PARTITION = "testbed"
 
 
@@ -202,6 +202,31 @@ class SlurmTestbed:
   def _all_idle(self) -> bool:
     states = self.node_states()
     return len(states) == self.bed.hosts and all(s == "idle" for s in states.values())
+
+  def job_state(self, job_id: str) -> tuple[str, str]:
+    """(JobState, ExitCode) of a job, e.g. ('COMPLETED', '0:0'); ('', '') once SLURM forgot it."""
+    r = self.run(["scontrol", "-o", "show", "job", job_id], timeout=30)
+    fields = dict(f.split("=", 1) for f in r.stdout.split() if "=" in f) if r.returncode == 0 else {}
+    return fields.get("JobState", ""), fields.get("ExitCode", "")
+
+  def sbatch(self, args: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+             timeout: float = 300, host: int = 0) -> tuple[str, str, str]:
+    """Submits `sbatch ARGS` from host `host` and waits for the job to end: (job id, state, exit code).
+
+    Polls scontrol twice a second (`sbatch --wait` polls every few seconds); cancels the job on a timeout."""
+    r = self.run(["sbatch", "--parsable", *args], host=host, cwd=cwd, env=self.env(env), timeout=60)
+    if r.returncode != 0:
+      raise SlurmTestbedError(f"sbatch failed: {(r.stderr or r.stdout).strip()}")
+    job_id = r.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+      state, code = self.job_state(job_id)
+      if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
+        return job_id, state, code
+      if time.monotonic() > deadline:
+        self.run(["scancel", job_id])
+        raise SlurmTestbedError(f"job {job_id} still {state or 'unknown'} after {timeout:.0f} s; cancelled")
+      time.sleep(0.5)
 
   def kill_slurmd(self, host: int) -> None:
     """Kills host `host`'s slurmd (SIGKILL), as a failed node; its steps' processes keep running."""

@@ -1,0 +1,154 @@
+"""A real SLURM on the emulated cluster (microbench.cluster.slurm_testbed): munged, slurmctld and one slurmd per
+testbed host, started here and stopped at the end. The real paths run under it: `microbench --distributed`
+under srun (JAX reads SLURM's settings), the scale-up and scale-out sbatch templates, and the study's sbatch
+script (srun --exact steps, the SIGUSR1/SIGKILL kill sequence) on shared uplinks. They need root, network
+namespaces and Debian's slurm-wlm and munge (CI installs them); elsewhere they skip, saying which is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+
+import pytest
+
+from conftest import clean_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from microbench.cluster import slurm_testbed as stb  # pylint: disable=g-import-not-at-top
+from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+
+TINY = ["--collectives=all_reduce", "--min_bytes=64K", "--max_bytes=64K", "--iters=6", "--samples=2"]
+
+
+def _problem() -> str | None:
+  if not sys.platform.startswith("linux"):
+    return "network namespaces need Linux"
+  problem = stb.missing_parts()
+  if problem:
+    return problem
+  name = f"tbprobe{secrets.token_hex(2)}-sw"
+  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
+  if r.returncode != 0:
+    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
+  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+  return None
+
+
+PROBLEM = _problem()
+needs_slurm = pytest.mark.skipif(PROBLEM is not None, reason=f"no SLURM on the emulated cluster: {PROBLEM}")
+
+
+def records(path: str) -> list[dict]:
+  return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+# Pure functions: run everywhere.
+def test_config_names_every_host_at_its_address_and_the_racks():
+  bed = tbm.Testbed(prefix="tbabc123", hosts=4, racks=2)
+  conf = stb.slurm_conf(bed, "/w", 6817, 6818, cpus=8, gpus=2)
+  assert "SlurmctldHost=tbabc123-h0(10.77.0.1)" in conf and "TopologyPlugin=topology/tree" in conf
+  assert "NodeName=tbabc123-h3 NodeAddr=10.77.0.4 CPUs=8 RealMemory=1000 Gres=gpu:2 State=UNKNOWN" in conf
+  assert "StateSaveLocation=/w/state" in conf and "cgroup" not in conf.lower()
+  assert stb.topology_conf(bed).splitlines() == ["SwitchName=rack0 Nodes=tbabc123-h0,tbabc123-h1",
+                                                 "SwitchName=rack1 Nodes=tbabc123-h2,tbabc123-h3",
+                                                 "SwitchName=core Switches=rack0,rack1"]
+  assert stb.topology_conf(tbm.Testbed(prefix="tbabc123", hosts=2)) == "SwitchName=rack0 Nodes=tbabc123-h0,tbabc123-h1\n"
+
+
+# The real thing.
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+  """4 hosts in 2 racks (400 Mbit/s host links, 100 Mbit/s uplinks) with SLURM up; all removed afterwards."""
+  bed = tbm.Testbed.new(hosts=4, racks=2, host_rate=400_000_000, uplink_rate=100_000_000)
+  bed.up()
+  cluster = stb.SlurmTestbed(bed, str(tmp_path_factory.mktemp("slurm")))
+  try:
+    cluster.up()
+    yield cluster
+  finally:
+    pids = [p.pid for p in cluster._procs]  # pylint: disable=protected-access
+    cluster.down()
+    bed.down()
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read()
+                .split(") ")[1][:1]], "a SLURM daemon survived"
+    assert not [ns for ns in tbm.list_netns() if ns.startswith(bed.prefix + "-")]
+
+
+@needs_slurm
+def test_nodes_are_the_testbed_hosts_in_their_racks(slurm):
+  bed = slurm.bed
+  assert slurm.node_states() == {bed.host_name(i): "idle" for i in range(4)}
+  topo = slurm.run(["scontrol", "show", "topology"]).stdout
+  assert f"SwitchName=rack1 Level=0 LinkSpeed=1 Nodes={bed.host_name(2)},{bed.host_name(3)}" in topo
+  assert "SwitchName=core Level=1" in topo
+  r = slurm.run(["srun", "-N4", "-n4", "-l", "sh", "-c", "echo $(hostname) $SLURMD_NODENAME"])
+  assert r.returncode == 0, r.stderr
+  assert sorted(r.stdout.split("\n")[:4]) == [f"{k}: {bed.host_name(k)} {bed.host_name(k)}" for k in range(4)]
+
+
+@needs_slurm
+def test_distributed_detects_slurm_under_srun(slurm, tmp_path):
+  """`--distributed` alone: JAX takes the coordinator, ranks and count from srun's SLURM_* variables."""
+  bed = slurm.bed
+  out = tmp_path / "run"
+  r = slurm.run(["srun", "-N2", "--ntasks-per-node=2", f"--nodelist={bed.host_name(1)},{bed.host_name(2)}",
+                 sys.executable, "-m", "microbench", "--distributed", *TINY, f"--outdir={out}"],
+                env=slurm.env(clean_env()), cwd=REPO, timeout=180)
+  assert r.returncode == 0, r.stderr[-3000:]
+  meta = json.load(open(out / "meta.json", encoding="utf-8"))
+  assert meta["status"] == "finished" and meta["process_count"] == 4
+  assert [p["host"] for p in meta["processes"]] == [bed.host_name(h) for h in (1, 1, 2, 2)]
+  assert meta["topology"] == {"racks": 1, "nodes": 2, "gpus": 2}
+  scopes = {row["scope"] for row in records(str(out / "results.jsonl")) if row.get("wrong") == 0}
+  assert {"scale_up", "scale_out", "global"} <= scopes, scopes
+
+
+@needs_slurm
+def test_sbatch_templates_scale_up_and_scale_out(slurm, tmp_path):
+  """Both templates as written, with tiny sizes; 2 CPU devices stand in for a node's GPUs in scale-up."""
+  up = slurm.sbatch(["--gpus-per-node=2", f"--output={tmp_path}/up.out", "scripts/slurm_scale_up.sbatch", *TINY,
+                     "--topology=racks:1,nodes:1,gpus:2", f"--outdir={tmp_path}/up"],
+                    cwd=REPO, env=clean_env(JAX_NUM_CPU_DEVICES="2"), timeout=180)
+  out = slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1",
+                      f"--output={tmp_path}/out.out", "scripts/slurm_scale_out.sbatch", *TINY,
+                      f"--outdir={tmp_path}/out"], cwd=REPO, env=clean_env(), timeout=180)
+  for (job, state, code), name in ((up, "up"), (out, "out")):
+    assert (state, code) == ("COMPLETED", "0:0"), (job, state, open(tmp_path / f"{name}.out").read()[-3000:])
+  up_meta = json.load(open(tmp_path / "up" / "meta.json", encoding="utf-8"))
+  assert up_meta["process_count"] == 1 and up_meta["status"] == "finished"
+  out_meta = json.load(open(tmp_path / "out" / "meta.json", encoding="utf-8"))
+  assert out_meta["process_count"] == 4 and out_meta["topology"]["nodes"] == 2
+  assert "scale_out" in open(tmp_path / "out.out").read()
+
+
+@needs_slurm
+def test_sbatch_study_on_shared_uplinks(slurm, tmp_path):
+  """The study's sbatch script: two 2-rank DP jobs across the racks as srun --exact steps; the one still running
+  when the other finishes is stopped by SIGUSR1 (srun forwards it); sharing the uplinks gives sigma near 2."""
+  plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "plan",
+                      "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}"],
+                     capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=120, check=False)
+  assert r.returncode == 0, r.stderr
+  job, state, code = slurm.sbatch(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
+                                   f"--output={tmp_path}/study.out", "scripts/slurm_study.sbatch", plan, res,
+                                   "--bytes_scale=0.0015", "--iters=7", "--grace=60"],
+                                  cwd=REPO, env=clean_env(), timeout=300)
+  log = open(tmp_path / "study.out", encoding="utf-8").read()
+  assert (state, code) == ("COMPLETED", "0:0"), (job, state, log[-3000:])
+  assert "on slurm (4 allocated nodes)" in log
+  units = records(os.path.join(res, "units.jsonl"))
+  assert [(u["kind"], u["status"]) for u in units] == [("baseline", "done"), ("concurrent", "done")]
+  instances = [i for j in units[1]["jobs"] for i in j["instances"]]
+  stopped = [i for i in instances if i["outcome"] == "stopped"]
+  # Ended by SIGUSR1, which srun forwards, never by the SIGKILL after the grace: exit 0 (the proxy's handler),
+  # 138 (SIGUSR1 before the handler is installed) or 143 (one rank died of it; srun -K terminated the rest).
+  assert stopped and all(i["returncode"] in (0, 128 + 10, 128 + 15) for i in stopped), stopped
+  assert os.path.exists(os.path.join(res, "logs", "e000", "j0.0", "srun.log"))
+  sigma = json.load(open(os.path.join(res, "report", "sigma.json"), encoding="utf-8"))[0]["sigma"]
+  assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
