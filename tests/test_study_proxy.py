@@ -155,30 +155,30 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
 
 
 def _slurm_problem() -> str | None:
-  import shutil
-  if shutil.which("salloc") is None or shutil.which("sinfo") is None:
-    return "SLURM's salloc/sinfo are not installed"
-  try:
-    r = subprocess.run(["sinfo", "-h", "-o", "%a %D"], capture_output=True, text=True, timeout=10, check=False)
-  except subprocess.TimeoutExpired:
-    return "no SLURM controller answers"
-  if r.returncode != 0 or "up" not in r.stdout:
-    why = ((r.stderr or r.stdout).strip().splitlines() or ["nothing listed"])[0]
-    return f"no SLURM partition is up ({why[:80]})"
-  return None
+  from microbench.cluster import slurm_testbed
+  return NETNS or slurm_testbed.missing_parts()
 
 
 SLURM = _slurm_problem()
 
 
-@pytest.mark.skipif(SLURM is not None, reason=f"no SLURM cluster here: {SLURM}")
+@pytest.mark.skipif(SLURM is not None, reason=f"no SLURM on the emulated cluster: {SLURM}")
 def test_slurm_backend_runs_steps_in_one_allocation(tmp_path):
-  """A DGX-like mix (two 4-rank jobs sharing one node) as srun --exact steps inside one salloc."""
+  """A DGX-like mix (two 4-rank jobs sharing one node, 4 of its 8 GPUs each) as srun --exact steps inside one
+  salloc, on a real SLURM started here over a one-host emulated cluster."""
+  from microbench.cluster import slurm_testbed
+  from microbench.cluster import testbed as tbm
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
   assert study("plan", "--machine=dgx", "--samples_per_bin=1", "--max_experiments=1", f"--out={plan}").returncode == 0
-  r = subprocess.run(["salloc", "-N1", "-n8", *STUDY, "run", "--backend=slurm", f"--plan={plan}", f"--out={res}",
-                      "--slurm_gpu_flag=", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=60"],
-                     capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env(), check=False)
+  bed = tbm.Testbed.new(hosts=1)
+  bed.up()
+  try:
+    with slurm_testbed.SlurmTestbed(bed, str(tmp_path / "slurm"), cpus=8, gpus=8) as slurm:
+      r = slurm.run(["salloc", "-N1", "-n8", "--gres=gpu:8", *STUDY, "run", "--backend=slurm", f"--plan={plan}",
+                     f"--out={res}", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=60"],
+                    timeout=300, cwd=REPO, env=slurm.env(clean_env()))
+  finally:
+    bed.down()
   assert r.returncode == 0, r.stderr[-3000:]
   units = records(os.path.join(res, "units.jsonl"))
   assert all(u["status"] == "done" for u in units) and units[-1]["kind"] == "concurrent"
