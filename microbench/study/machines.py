@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from microbench.cluster import testbed as tbm
+from microbench.fabric import description as fd
 from microbench.study import workloads as wl
 
 CLASSES: dict[str, float] = {
@@ -102,17 +104,24 @@ class Machine:
     return cls(**kw)
 
 
+def _shape(system: str) -> dict:
+  """A system's node and switch shape, from its fabric description (one place for the study and the models)."""
+  d = fd.SYSTEMS[system]
+  return dict(gpus_per_node=d["gpus_per_node"], nodes_per_l1=d["nodes_per_leaf"], l1_per_group=d["leaves_per_group"],
+              gpu=d["gpu"])
+
+
 PRESETS: dict[str, dict] = {
     # Dragonfly+: 18 L1 switches x 10 nodes per group, 4 A100 per node; the study ran 510 nodes.
-    "leonardo": dict(gpus_per_node=4, nodes_per_l1=10, l1_per_group=18, nodes=510, gpu="A100"),
+    "leonardo": dict(_shape("leonardo"), nodes=510),
     # 8 MI250X GCDs per node; the study's q2/q3 = 128/15744 GPUs, g_min 16; 320 nodes.
-    "lumi": dict(gpus_per_node=8, nodes_per_l1=16, l1_per_group=123, nodes=320, gpu="MI250X", g_min=16),
+    "lumi": dict(_shape("lumi"), nodes=320, g_min=16),
     # Slingshot groups of ~84-112 nodes, virtual switches of ~7 nodes; 4 GH200 per node; 330 nodes.
-    "alps": dict(gpus_per_node=4, nodes_per_l1=7, l1_per_group=14, nodes=330, gpu="GH200"),
+    "alps": dict(_shape("alps"), nodes=330),
     # 240-node groups (5 racks x 3 L1 x 16 nodes), 4 GH200 per node; 650 nodes.
-    "jupiter": dict(gpus_per_node=4, nodes_per_l1=16, l1_per_group=15, nodes=650, gpu="GH200"),
+    "jupiter": dict(_shape("jupiter"), nodes=650),
     # One DGX A100: 8 GPUs, the study's DGX size table and g_min 2.
-    "dgx": dict(gpus_per_node=8, nodes_per_l1=1, l1_per_group=1, nodes=1, gpu="A100", size_table="dgx", g_min=2),
+    "dgx": dict(_shape("dgx"), nodes=1, size_table="dgx", g_min=2),
     # The emulated cluster (microbench-testbed): racks are L1 switches behind one core; see `testbed` below.
     "testbed": dict(gpus_per_node=1, nodes_per_l1=2, l1_per_group=4, nodes=8, gpu="A100",
                     host_rate="400mbit", uplink_rate="100mbit"),
@@ -190,6 +199,20 @@ def read_node_map(path: str) -> tuple[tuple[str, int, int], ...]:
   if not out:
     raise MachineError(f"node map {path} lists no nodes")
   return tuple(out)
+
+
+def fabric_of(machine: Machine) -> fd.Fabric:
+  """The machine's links: its system's description reshaped to this machine, or the testbed's shaped links."""
+  if machine.name == "testbed":
+    host, up = tbm.parse_rate(machine.host_rate), tbm.parse_rate(machine.uplink_rate)
+    return fd.testbed(machine.nodes_per_l1, host and tbm.gbytes_per_s(host), up and tbm.gbytes_per_s(up),
+                      racks=machine.nodes // machine.nodes_per_l1)
+  if machine.name not in fd.SYSTEMS:
+    raise MachineError(f"machine {machine.name!r} has no link description; predictions need one of"
+                       f" {', '.join(fd.SYSTEMS)} or testbed")
+  base = fd.system(machine.name)
+  return dataclasses.replace(base, gpus_per_node=machine.gpus_per_node, nodes_per_leaf=machine.nodes_per_l1,
+                             leaves_per_group=machine.l1_per_group)
 
 
 def nodes_for(machine: Machine, gpus: int) -> int:
