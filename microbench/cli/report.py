@@ -17,21 +17,66 @@ flags.DEFINE_string("out", None, "Report folder. Default: RUN_DIR/report for one
                     " several.")
 flags.DEFINE_list("predict", [], "Message sizes (8, 64K, 32M, 1G) to predict each series' time for from its"
                   " alpha-beta fit: printed and added to the report.")
+flags.DEFINE_string("fabric", None, "Predict on a described fabric instead of from run folders: leonardo, lumi,"
+                    " alps, jupiter, dgx, nvl72 (with :leaf_up=GBPS,group_up=GBPS,nic=GBPS,scale_up=GBPS) or"
+                    " testbed:hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit. Needs --predict sizes and"
+                    " --gpus or --shapes.")
+flags.DEFINE_list("gpus", [], "With --fabric: group sizes, ranks filling nodes, leaves and groups in order.")
+flags.DEFINE_list("shapes", [], "With --fabric: group shapes RANKS_PER_DOMAINxDOMAINS_PER_LEAFxLEAVES_PER_GROUPx"
+                  "GROUPS (e.g. 4x2: two nodes of one leaf).")
+flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
+flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
+SIDES = "vs"  # separates the sides of a comparison among the run folders
 
 
-def main(argv: list[str]) -> int:
-  paths = argv[1:]
-  if not paths:
-    raise app.UsageError("give one or more run folders: microbench-report RUN_DIR [RUN_DIR ...] [--out=DIR]")
-  predict = []
-  for text in FLAGS.predict:
+def _sizes(texts: list[str]) -> list[int]:
+  out = []
+  for text in texts:
     try:
       size = -1 if text.strip().startswith("-") else sizes.parse_size(text)
     except ValueError as e:
       raise app.UsageError(f"--predict: {e}") from None
     if size <= 0:  # a time for no bytes (or fewer) is not a prediction of anything measured
       raise app.UsageError(f"--predict: {text.strip()} is not a positive size; give bytes above 0 (8, 64K, 1G)")
-    predict.append(size)
+    out.append(size)
+  return out
+
+
+def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
+  """`--fabric`: predictions from the fabric's description alone (no run folder is read)."""
+  from microbench.fabric import collectives as fc  # pylint: disable=g-import-not-at-top
+  from microbench.fabric import description as fd  # pylint: disable=g-import-not-at-top
+  from microbench.report import fabric_tables, tables  # pylint: disable=g-import-not-at-top
+  if paths:
+    raise app.UsageError("--fabric predicts from the fabric's description; give no run folders with it")
+  if not predict or not (FLAGS.gpus or FLAGS.shapes):
+    raise app.UsageError("--fabric needs --predict=SIZES and --gpus=N,... or --shapes=4x2,...: e.g."
+                         " microbench-report --fabric=leonardo --gpus=8,64 --predict=1M,1G")
+  try:
+    fab = fd.parse(FLAGS.fabric)
+    shapes = [fc.Shape.parse(s) for s in FLAGS.shapes]
+    for g in FLAGS.gpus:
+      if not g.strip().isdigit() or int(g) < 1:
+        raise fd.FabricError(f"--gpus: {g.strip()!r} is not a positive number of GPUs")
+      shapes.append(fc.dense_shape(fab, int(g)))
+    rows = fabric_tables.prediction_rows(fab, FLAGS.fabric_collectives, shapes, predict, FLAGS.algorithm)
+    assumed = fabric_tables.assumptions(fab, FLAGS.fabric_collectives, shapes, predict[0], FLAGS.algorithm)
+  except fd.FabricError as e:
+    raise app.UsageError(str(e)) from None
+  print("\n".join(f"# {line}" for line in fab.describe()))
+  print(tables.markdown(fabric_tables.HEADERS, rows))
+  print("\n".join(f"# assumed: {a}" for a in assumed if f"assumed: {a}" not in fab.describe()))
+  return 0
+
+
+def main(argv: list[str]) -> int:
+  paths = argv[1:]
+  if FLAGS.fabric:
+    return _fabric_predictions(paths, _sizes(FLAGS.predict))
+  if not paths:
+    raise app.UsageError("give one or more run folders: microbench-report RUN_DIR [RUN_DIR ...] [--out=DIR]"
+                         f" (repeated runs per side: A1 A2 {SIDES} B1 B2)")
+  predict = _sizes(FLAGS.predict)
   try:
     import matplotlib  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -39,14 +84,24 @@ def main(argv: list[str]) -> int:
                          " pip install -e '.[report]'") from None
   from microbench.report import build, runs  # pylint: disable=g-import-not-at-top
 
+  # `A1 A2 vs B1 B2`: repeated runs of one sweep per side, compared as one (their spread is the noise).
+  groups = [[]]
+  for p in paths:
+    if p == SIDES:
+      groups.append([])
+    else:
+      groups[-1].append(p)
+  if len(groups) > 1 and not all(groups):
+    raise app.UsageError(f"'{SIDES}' needs run folders on both sides: microbench-report A1 A2 {SIDES} B1 B2")
   try:
-    found = runs.expand(paths)
+    sides = [runs.expand(g) for g in groups] if len(groups) > 1 else None
+    found = runs.expand([p for p in paths if p != SIDES])
   except runs.RunError as e:
     raise app.UsageError(str(e)) from None
   out = FLAGS.out or (os.path.join(found[0], "report") if len(found) == 1 else
                       "report_" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
   try:
-    report = build.build(found, out, predict)
+    report = build.build(found, out, predict, sides=sides)
   except runs.RunError as e:
     raise app.UsageError(str(e)) from None
   except OSError as e:

@@ -193,16 +193,52 @@ def _write_csv(path: str, headers: tuple[str, ...], rows: list[tuple[Any, ...]])
     w.writerows(rows)
 
 
-def build(paths: list[str], out: str, predict: list[int] | None = None) -> Report:
-  """Reads the runs, writes report.md, the figures and comparison CSVs into `out`, returns it all."""
+@dataclasses.dataclass
+class Side:
+  """One side of a comparison: one sweep, or several runs of the same sweep (their spread is the noise)."""
+  label: str
+  runs: list[runs.SweepRun]
+
+
+def _sides(sweeps: list[runs.SweepRun], sides: list[list[str]] | None) -> list[Side]:
+  """Each sweep its own side, or the sweeps grouped as `sides` (run folder paths) says."""
+  if not sides:
+    return [Side(run.label, [run]) for run in sweeps]
+  by_path = {os.path.normpath(run.path): run for run in sweeps}
+  out = []
+  for paths in sides:
+    group = [by_path[os.path.normpath(p)] for p in paths if os.path.normpath(p) in by_path]
+    if group:
+      out.append(Side("+".join(run.label for run in group), group))
+  return out
+
+
+def _within_side_lines(side: Side) -> list[str]:
+  """Settings that differ between the runs of one side: repeats of one sweep should not differ."""
+  keys = list(dict.fromkeys(k for run in side.runs[1:] for k, _, _ in runs.settings_diff(side.runs[0].meta, run.meta)))
+  if not keys:
+    return []
+  return ["", f"Warning: the runs of `{side.label}` are not repeats of one sweep; they differ in "
+          + ", ".join(f"`{k}`" for k in keys) + "."]
+
+
+def build(paths: list[str], out: str, predict: list[int] | None = None,
+          sides: list[list[str]] | None = None) -> Report:
+  """Reads the runs, writes report.md, the figures and comparison CSVs into `out`, returns it all. `sides`
+  (run folder paths per side, as `microbench-report A1 A2 vs B1 B2` gives them) groups repeated sweeps: each
+  side's runs are compared as one, with an interval that includes the spread between them; without it every
+  sweep is compared on its own against the first."""
   sweeps, trains = runs.load(paths)
+  groups = _sides(sweeps, sides)
   os.makedirs(out, exist_ok=True)
   now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   md = ["# microbench report", "", f"Generated {now} from {len(sweeps) + len(trains)} run(s):", ""]
   md += [f"- `{r.label}`: `{os.path.abspath(r.path)}`" for r in [*sweeps, *trains]]
-  for other in sweeps[1:]:
-    md += ["", f"## Settings that differ: `{other.label}` (B) against `{sweeps[0].label}` (A)", "",
-           *_diff_lines(sweeps[0], other)]
+  for other in groups[1:]:
+    md += ["", f"## Settings that differ: `{other.label}` (B) against `{groups[0].label}` (A)", "",
+           *_diff_lines(groups[0].runs[0], other.runs[0])]
+  for side in groups:
+    md += _within_side_lines(side)
   figures: dict[str, Any] = {}
   fits: dict[str, list[alpha_beta.Fit]] = {}
 
@@ -229,16 +265,16 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
     figs = compare_sweep_figures(sweeps)
     figures.update(figs)
     md += ["", "## Runs side by side", ""] + [f"![{name}]({name})" for name in figs]
-    base = sweeps[0]
-    for other in sweeps[1:]:
-      r = tables.ratio_rows(base.records, other.records)
+    base = groups[0]
+    for other in groups[1:]:
+      r = tables.ratio_rows([run.records for run in base.runs], [run.records for run in other.runs])
       name = f"ratio_{_slug(other.label)}_vs_{_slug(base.label)}"
       _write_csv(os.path.join(out, name + ".csv"), tables.RATIO_HEADERS, r["both"])
-      summary = tables.ratio_summary(r["both"], r["draws"])
+      summary = tables.ratio_summary(r["both"], r["series_interval"])
       md += ["", f"## `{other.label}` (B) against `{base.label}` (A)", "", "What differs in their settings:", "",
-             *_diff_lines(base, other), "",
+             *_diff_lines(base.runs[0], other.runs[0]), "",
              f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`. "
-             + tables.changed_text(summary), "",
+             + tables.changed_text(summary, r["runs"]), "",
              tables.markdown(tables.RATIO_SUMMARY_HEADERS, summary), "",
              "Per point:", "", tables.markdown(tables.RATIO_HEADERS, r["both"])]
       for which, rows in (("A", r["only_a"]), ("B", r["only_b"])):
@@ -246,7 +282,7 @@ def build(paths: list[str], out: str, predict: list[int] | None = None) -> Repor
           md += ["", f"Points measured (status ok) only in run {which} or not ok in the other ({len(rows)}):", "",
                  tables.markdown(("collective", "scope", "dtype", "n", "bytes", "status A", "status B"), rows)]
       if r["both"]:
-        figures[name + ".png"] = plots.ratio_figure(base.label, other.label, r["both"])
+        figures[name + ".png"] = plots.ratio_figure(base.label, other.label, r["both"], r["runs"])
         md += ["", f"![{name}]({name}.png)"]
 
   if trains:

@@ -83,9 +83,10 @@ def collective_figure(collective: str, panels: Sequence[Panel],
   return fig
 
 
-def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]]) -> Figure:
-  """Run B over run A time per point (tables.RATIO_HEADERS rows), one panel per collective, with each
-  point's interval as an error bar and changed points (interval excludes 1) ringed."""
+def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: tuple[int, int] = (1, 1)) -> Figure:
+  """Run(s) B over run(s) A time per point (tables.RATIO_HEADERS rows), one panel per collective, with each
+  point's interval as an error bar and changed points (interval excludes 1) ringed; the title says what
+  noise the intervals hold (`runs`: runs on side A and B)."""
   by_coll: dict[str, dict[str, list[tuple[Any, ...]]]] = {}
   for r in rows:
     coll, scope, dtype, n = r[:4]
@@ -94,7 +95,10 @@ def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]]) -> Figu
   nrows = max(1, -(-len(by_coll) // cols))
   fig = Figure(figsize=(5.0 * cols, 3.6 * nrows), dpi=DPI, layout="constrained")
   axes = fig.subplots(nrows, cols, squeeze=False)
-  fig.suptitle(f"time {other} / {base} per point, 95% interval (below 1: {other} is faster; ringed: changed)")
+  noise = (f"spread between runs ({runs[0]} vs {runs[1]})" if max(runs) > 1
+           else "samples within each run only: drift between runs not included")
+  fig.suptitle(f"time B / A per point (below 1: B is faster; ringed red: changed)\nA = {base}, B = {other}\n"
+               f"bars: intervals holding together at 95%, from the {noise}", fontsize=10)
   for ax, (coll, series) in zip(axes.flat, by_coll.items()):
     for label, pts in series.items():
       pts.sort(key=lambda p: p[4])

@@ -91,14 +91,34 @@ def problem_rows(records: Iterable[dict[str, Any]]) -> dict[str, list[tuple[Any,
 # --- two sweeps ------------------------------------------------------------------------------------
 
 RATIO_HEADERS = ("collective", "scope", "dtype", "n", "bytes", "time A (us)", "time B (us)", "time B/A",
-                 "busbw A (GB/s)", "busbw B (GB/s)", "busbw B/A", "time B/A low", "time B/A high", "changed")
-BOOTSTRAP = 2000  # resamples per point: the 2.5/97.5 percentiles move by under 1% between seeds at this count
-CONFIDENCE = 0.95
+                 "busbw A (GB/s)", "busbw B (GB/s)", "busbw B/A", "time B/A low", "time B/A high", "changed",
+                 "runs A", "runs B", "interval from")
+BOOTSTRAP = 2000  # resamples per point at least: the percentiles move by under 1% between seeds at this count
+CONFIDENCE = 0.95  # for all intervals of one comparison together (simultaneous), not for each on its own
 SEED = 0  # fixed, so the same two runs always give the same report
+RUNS = "runs"  # interval from the spread of the run medians (several runs on a side): includes run-to-run drift
+SAMPLES = "samples"  # from the samples within one run per side only: blind to drift between runs
+
+Side = Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]]  # one run's records, or several runs'
+
+
+def _runs(side: Side) -> list[list[dict[str, Any]]]:
+  """A side of a comparison as a list of runs (each a list of records); one run's records are one run."""
+  side = list(side)
+  if not side or isinstance(side[0], dict):
+    return [side]  # type: ignore[list-item]
+  return [list(r) for r in side]
+
+
+def _tail(points: int) -> float:
+  """The one-sided tail per interval: Bonferroni over the comparison's `points` intervals, so that with two
+  runs from one distribution no point at all is marked changed in CONFIDENCE of comparisons (per-point 95%
+  intervals would mark about 1 in 20 points of every identical pair)."""
+  return (1 - CONFIDENCE) / (2 * max(1, points))
 
 
 def median_ratio_draws(a_us: Sequence[float] | None, b_us: Sequence[float] | None,
-                       rng: np.random.Generator) -> np.ndarray | None:
+                       rng: np.random.Generator, draws: int = BOOTSTRAP) -> np.ndarray | None:
   """Bootstrap draws of median(B) / median(A), each run's samples resampled on their own.
 
   Why a bootstrap: the two sample sets are independent and of any size (a point stops after a few pairs),
@@ -109,54 +129,146 @@ def median_ratio_draws(a_us: Sequence[float] | None, b_us: Sequence[float] | Non
     return None
   a = np.asarray(a_us, np.float64)
   b = np.asarray(b_us, np.float64)
-  ma = np.median(a[rng.integers(0, a.size, (BOOTSTRAP, a.size))], axis=1)
-  mb = np.median(b[rng.integers(0, b.size, (BOOTSTRAP, b.size))], axis=1)
+  ma = np.median(a[rng.integers(0, a.size, (draws, a.size))], axis=1)
+  mb = np.median(b[rng.integers(0, b.size, (draws, b.size))], axis=1)
+  if (ma <= 0).any() or (mb <= 0).any():  # a time by difference that can come out <= 0 is not resolved
+    return None
   return mb / ma
 
 
-def interval(draws: np.ndarray | None) -> tuple[float | None, float | None]:
+def interval(draws: np.ndarray | None, tail: float = (1 - CONFIDENCE) / 2) -> tuple[float | None, float | None]:
   if draws is None:
     return None, None
-  tail = 100 * (1 - CONFIDENCE) / 2
-  lo, hi = np.percentile(draws, [tail, 100 - tail])
+  lo, hi = np.percentile(draws, [100 * tail, 100 * (1 - tail)])
   return float(lo), float(hi)
+
+
+def _t(tail: float, df: float) -> float:
+  """Student's t quantile with `df` degrees of freedom, upper `tail` (scipy comes with jax)."""
+  from scipy import special  # pylint: disable=g-import-not-at-top
+  return float(special.stdtrit(df, 1 - tail))
 
 
 def change(lo: float | None, hi: float | None) -> str:
   """A point changed only when its interval excludes 1: "slower" (B takes longer), "faster", "no", or
-  "unknown" without samples."""
+  "unknown" without an interval."""
   if lo is None or hi is None:
     return "unknown"
   return "slower" if lo > 1 else "faster" if hi < 1 else "no"
 
 
-def ratio_rows(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> dict[str, Any]:
-  """Points measured in both runs (matched on collective, scope, dtype, group size and bytes) with run B
-  over run A for time and busbw, the time ratio's bootstrap interval and whether it changed; the points
-  only one of them has (with their status); and "draws": the bootstrap draws per matched point."""
-  a_by = {point_key(r): r for r in a}
-  b_by = {point_key(r): r for r in b}
-  rng = np.random.default_rng(SEED)
-  both, only_a, only_b, draws = [], [], [], {}
-  for k, ra in a_by.items():
-    rb = b_by.get(k)
-    if rb is not None and ra.get("status") == "ok" and rb.get("status") == "ok":
-      d = median_ratio_draws(ra.get("samples_us"), rb.get("samples_us"), rng)
-      lo, hi = interval(d)
-      draws[k] = d
-      both.append((*k, ra["time_us"], rb["time_us"], rb["time_us"] / ra["time_us"], ra["busbw_gbps"],
-                   rb["busbw_gbps"], rb["busbw_gbps"] / ra["busbw_gbps"] if ra["busbw_gbps"] else None,
-                   lo, hi, change(lo, hi)))
+def _by_point(runs: list[list[dict[str, Any]]]) -> dict[PointKey, list[dict[str, Any]]]:
+  out: dict[PointKey, list[dict[str, Any]]] = {}
+  for recs in runs:
+    for r in recs:
+      out.setdefault(point_key(r), []).append(r)
+  return out
+
+
+def _log_times(recs: list[dict[str, Any]]) -> np.ndarray:
+  return np.log(np.asarray([r["time_us"] for r in recs], np.float64))
+
+
+def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
+  """Run(s) B against run(s) A per point (matched on collective, scope, dtype, group size and bytes): each
+  side's time is the geometric mean of its runs' median times (busbw likewise), with an interval on the time
+  ratio and whether it changed; the points only one side has (with their status); and "series_interval":
+  the interval of each series' geometric-mean ratio.
+
+  The interval must hold what moves between two runs of the same thing. With several runs on a side
+  ("interval from" = runs) it is Student's t on the difference of mean log run medians, the variance pooled
+  over the series' points (a point whose own spread is larger keeps its own): each run's median already
+  carries that run's sampling noise, and the spread between runs adds the drift between them (other jobs,
+  clocks, placement), which on a shared machine is the larger part. With one run on each side there is no
+  spread between runs to measure: the interval is a bootstrap of the samples within each run (as before
+  runs could be grouped), and the report says it cannot see drift. Every interval of one comparison is
+  simultaneous at CONFIDENCE (Bonferroni over its points; the series' intervals over its series, from the
+  runs' mean over the series, as `_series_t` says)."""
+  a_runs, b_runs = _runs(a), _runs(b)
+  a_by, b_by = _by_point(a_runs), _by_point(b_runs)
+  matched: list[tuple[PointKey, list[dict[str, Any]], list[dict[str, Any]]]] = []
+  only_a, only_b = [], []
+  for k, ras in a_by.items():
+    oka = [r for r in ok(ras) if (r.get("time_us") or 0) > 0]  # a time <= 0 (by difference) is not resolved
+    okb = [r for r in ok(b_by.get(k, [])) if (r.get("time_us") or 0) > 0]
+    if oka and okb:
+      matched.append((k, oka, okb))
     else:
-      only_a.append((*k, ra.get("status"), None if rb is None else rb.get("status")))
-  for k, rb in b_by.items():
+      rbs = b_by.get(k)
+      only_a.append((*k, "ok" if oka else ras[0].get("status"),
+                     None if not rbs else "ok" if okb else rbs[0].get("status")))
+  for k, rbs in b_by.items():
     if k not in a_by:
-      only_b.append((*k, None, rb.get("status")))
-  return {"both": both, "only_a": only_a, "only_b": only_b, "draws": draws}
+      only_b.append((*k, None, rbs[0].get("status")))
+
+  # The spread between runs, pooled per series: sum of squares of log run medians about their side's mean.
+  pooled: dict[SeriesKey, list[float]] = {}
+  for k, ras, rbs in matched:
+    acc = pooled.setdefault(k[:4], [0.0, 0.0])
+    for recs in (ras, rbs):
+      x = _log_times(recs)
+      acc[0] += float(np.sum((x - x.mean()) ** 2))
+      acc[1] += x.size - 1
+  tail = _tail(len(matched))
+  series_tail = _tail(len(pooled))
+  draw_count = max(BOOTSTRAP, int(math.ceil(20 / tail)))  # 20 draws beyond each bound at least
+  rng = np.random.default_rng(SEED)
+  both = []
+  series_parts: dict[SeriesKey, list[tuple[float, float, float] | np.ndarray | None]] = {}
+  for k, ras, rbs in matched:
+    xa, xb = _log_times(ras), _log_times(rbs)
+    d = float(xb.mean() - xa.mean())
+    ss, df = pooled[k[:4]]
+    if df > 0:
+      own_df = xa.size + xb.size - 2
+      own = (float(np.sum((xa - xa.mean()) ** 2) + np.sum((xb - xb.mean()) ** 2)) / own_df) if own_df else 0.0
+      se = math.sqrt(max(ss / df, own) * (1 / xa.size + 1 / xb.size))
+      q = _t(tail, df)
+      lo, hi, how = math.exp(d - q * se), math.exp(d + q * se), RUNS
+      series_parts.setdefault(k[:4], []).append((d, se, df))
+    else:
+      draws = median_ratio_draws(ras[0].get("samples_us"), rbs[0].get("samples_us"), rng, draw_count)
+      (lo, hi), how = interval(draws, tail), SAMPLES if draws is not None else None
+      series_parts.setdefault(k[:4], []).append(draws)
+    bwa = math.exp(float(np.mean(np.log([r["busbw_gbps"] for r in ras])))) if all(
+        r.get("busbw_gbps") for r in ras) else None
+    bwb = math.exp(float(np.mean(np.log([r["busbw_gbps"] for r in rbs])))) if all(
+        r.get("busbw_gbps") for r in rbs) else None
+    both.append((*k, math.exp(float(xa.mean())), math.exp(float(xb.mean())), math.exp(d), bwa, bwb,
+                 bwb / bwa if bwa and bwb else None, lo, hi, change(lo, hi), xa.size, xb.size, how))
+  series_interval: dict[SeriesKey, tuple[float | None, float | None]] = {}
+  for s, parts in series_parts.items():
+    if all(isinstance(p, tuple) for p in parts):
+      series_interval[s] = _series_t([(ras, rbs) for k, ras, rbs in matched if k[:4] == s],
+                                     len(a_runs), len(b_runs), series_tail)
+    elif all(isinstance(p, np.ndarray) for p in parts):  # bootstrap draws combined draw by draw
+      series_interval[s] = interval(np.exp(np.mean(np.log(np.stack(parts)), axis=0)), series_tail)
+    else:
+      series_interval[s] = (None, None)
+  return {"both": both, "only_a": only_a, "only_b": only_b, "series_interval": series_interval,
+          "runs": (len(a_runs), len(b_runs))}
+
+
+def _series_t(points: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], ka: int, kb: int,
+              tail: float) -> tuple[float | None, float | None]:
+  """The series' geometric-mean ratio from each run's mean log time over the points every run (ka on A, kb
+  on B) has: drift often moves all points of a run together (a busy minute), so the runs, not the points,
+  are the independent draws; Student's t over ka + kb - 2 degrees of freedom."""
+  full = [(ras, rbs) for ras, rbs in points if len(ras) == ka and len(rbs) == kb]  # in run order
+  if ka + kb < 3 or not full:
+    return None, None
+  xa = np.mean([_log_times(ras) for ras, _ in full], axis=0)  # per run of A: its mean log time
+  xb = np.mean([_log_times(rbs) for _, rbs in full], axis=0)
+  ss = float(np.sum((xa - xa.mean()) ** 2) + np.sum((xb - xb.mean()) ** 2))
+  df = ka + kb - 2
+  d = float(xb.mean() - xa.mean())
+  se = math.sqrt(ss / df * (1 / ka + 1 / kb))
+  q = _t(tail, df)
+  return math.exp(d - q * se), math.exp(d + q * se)
 
 
 RATIO_SUMMARY_HEADERS = ("collective", "scope", "dtype", "n", "points", "slower", "faster", "unchanged",
-                         "no samples", "time B/A geomean", "geomean low", "geomean high", "time B/A min",
+                         "no interval", "time B/A geomean", "geomean low", "geomean high", "time B/A min",
                          "time B/A max", "busbw B/A geomean")
 
 
@@ -166,18 +278,16 @@ def _geo(xs: Iterable[float]) -> float | None:
 
 
 def ratio_summary(rows: list[tuple[Any, ...]],
-                  draws: dict[PointKey, np.ndarray | None] | None = None) -> list[tuple[Any, ...]]:
+                  series_interval: dict[SeriesKey, tuple[float | None, float | None]] | None = None
+                  ) -> list[tuple[Any, ...]]:
   """Per series: how many points changed and which way, and the geometric mean of the per-point ratios
-  with an interval from the points' bootstrap draws combined draw by draw (only when every point has them)."""
+  with its interval (ratio_rows' "series_interval")."""
   groups: dict[SeriesKey, list[tuple[Any, ...]]] = {}
   for r in rows:
     groups.setdefault(r[:4], []).append(r)
   out = []
   for k, v in groups.items():
-    ds = [(draws or {}).get(tuple(r[:5])) for r in v]
-    lo = hi = None
-    if ds and all(d is not None for d in ds):
-      lo, hi = interval(np.exp(np.mean(np.log(np.stack(ds)), axis=0)))
+    lo, hi = (series_interval or {}).get(k, (None, None))
     count = {c: sum(1 for r in v if r[13] == c) for c in ("slower", "faster", "no", "unknown")}
     out.append((*k, len(v), count["slower"], count["faster"], count["no"], count["unknown"],
                 _geo([r[7] for r in v]), lo, hi, min(r[7] for r in v), max(r[7] for r in v),
@@ -185,13 +295,19 @@ def ratio_summary(rows: list[tuple[Any, ...]],
   return out
 
 
-def changed_text(summary: list[tuple[Any, ...]]) -> str:
-  """One line a reader sees before the tables: how many points changed, in which direction."""
+def changed_text(summary: list[tuple[Any, ...]], runs: tuple[int, int] = (1, 1)) -> str:
+  """One line a reader sees before the tables: how many points changed, in which direction, and what noise
+  the intervals cover (`runs`: how many runs on side A and side B)."""
   n = sum(s[4] for s in summary)
   slower, faster, same, unknown = (sum(s[i] for s in summary) for i in (5, 6, 7, 8))
-  text = (f"{slower + faster} of {n} point(s) changed ({slower} slower, {faster} faster, {same} unchanged) by a"
-          f" {100 * CONFIDENCE:.0f}% bootstrap interval of the median-time ratio that excludes 1")
-  return text + (f"; {unknown} without samples in both runs" if unknown else "") + "."
+  text = (f"{slower + faster} of {n} point(s) changed ({slower} slower, {faster} faster, {same} unchanged): the"
+          f" time ratio's interval excludes 1, all {n} intervals holding together at {100 * CONFIDENCE:.0f}%")
+  if max(runs) > 1:
+    text += f", from the spread between runs ({runs[0]} run(s) A, {runs[1]} run(s) B: drift between runs included)"
+  else:
+    text += (", from the samples within each run only: drift between runs is not in it, and on a shared"
+             " machine it is larger; give several runs per side (`A1 A2 vs B1 B2`)")
+  return text + (f"; {unknown} without an interval (no samples, or a time not resolved)" if unknown else "") + "."
 
 
 # --- training runs ---------------------------------------------------------------------------------
