@@ -117,6 +117,7 @@ def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: t
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")  # 2x slower and 2x faster are the same distance from 1
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))  # 0.6, not 6 x 10^-1
     ax.set_title(coll, fontsize=10)
     ax.set_ylabel("time B/A")
     ax.set_xlabel("message size S (bytes)")

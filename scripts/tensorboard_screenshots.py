@@ -1,0 +1,223 @@
+"""Screenshots of every TensorBoard view as a reader first opens it (no clicks beyond picking the view), in
+headless Chromium, so a person can check that no view is empty or misleading in its default state.
+
+Starts TensorBoard (this Python's) on --logdir, drives Debian's chromium through chromedriver's W3C WebDriver
+HTTP interface (urllib only: no selenium), and writes one PNG per view into --out, plus views.json with each
+view's URL and the text TensorBoard showed (so "no data" notices can be grepped). Views: Time Series,
+Scalars, Custom Scalars, Images, Text, HParams (its table, then its parallel-coordinates tab: the one click
+the view needs) and Profile when the profile plugin is installed. The network is closed here, so Chromium
+runs with everything that phones home turned off and a fresh profile folder.
+
+  apt-get install -y chromium chromium-driver        # as root
+  python scripts/tensorboard_screenshots.py --logdir=/tmp/i21tb --out=/tmp/i21shots
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from base64 import b64decode
+
+from absl import app, flags
+
+flags.DEFINE_string("logdir", None, "Folder holding the run folders (TensorBoard's --logdir).")
+flags.DEFINE_string("out", "/tmp/i21shots", "Where the PNGs and views.json go.")
+flags.DEFINE_string("chromedriver", "/usr/bin/chromedriver", "chromedriver (Debian: chromium-driver).")
+flags.DEFINE_string("chromium", "/usr/bin/chromium", "The browser chromedriver starts.")
+flags.DEFINE_integer("width", 1600, "Window width (px).")
+flags.DEFINE_integer("height", 1100, "Window height (px).")
+flags.DEFINE_float("settle_s", 8.0, "Seconds to let a view load and draw before its screenshot.")
+flags.DEFINE_list("views", [], "Only these views (names as in VIEWS); default all.")
+FLAGS = flags.FLAGS
+
+# name -> (URL fragment, text of a tab to click after opening, or None). Only the click that reaches a
+# view nobody can see otherwise (HParams opens on its table).
+VIEWS = {
+    "timeseries": ("timeseries", None),
+    "scalars": ("scalars", None),
+    "custom_scalars": ("custom_scalars", None),
+    "images": ("images", None),
+    "text": ("text", None),
+    "hparams_table": ("hparams", None),
+    "hparams_parallel_coordinates": ("hparams", "PARALLEL COORDINATES VIEW"),
+    "profile": ("profile", None),
+    # Not a default state: the same dashboards with smoothing off and outliers kept, through the URL
+    # settings the legacy dashboards read (the README's link; a sweep's curve is not a noisy time series).
+    "custom_scalars_unsmoothed": ("custom_scalars&_smoothingWeight=0&_ignoreYOutliers=false", None),
+    "scalars_unsmoothed": ("scalars&_smoothingWeight=0&_ignoreYOutliers=false", None),
+}
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--hide-scrollbars"]
+
+# Every element under `root`, through shadow roots and same-origin iframes (TensorBoard's Polymer plugins
+# live in shadow DOM, some in iframes).
+_WALK = """
+function* walk(root) {
+  const stack = [root];
+  while (stack.length) {
+    const node = stack.pop();
+    if (!node) continue;
+    if (node.nodeType === 1) yield node;
+    if (node.shadowRoot) stack.push(node.shadowRoot);
+    if (node.tagName === 'IFRAME') { try { stack.push(node.contentDocument); } catch (e) {} }
+    for (const c of (node.children || [])) stack.push(c);
+  }
+}
+"""
+_CLICK = _WALK + """
+const want = arguments[0].toUpperCase();
+let best = null;
+for (const el of walk(document)) {
+  const t = (el.innerText || el.textContent || '').trim().toUpperCase();
+  if (t === want && (!best || best.contains(el))) best = el;
+}
+if (best) { best.click(); return true; }
+return false;
+"""
+_TEXT = _WALK + """
+const parts = [];
+for (const el of walk(document)) {
+  if (el.shadowRoot) parts.push(el.shadowRoot.textContent || '');
+}
+parts.push(document.body ? document.body.innerText : '');
+return parts.join(' ').replace(/\\s+/g, ' ').slice(0, 20000);
+"""
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float) -> None:
+  end = time.time() + timeout
+  while True:
+    try:
+      with urllib.request.urlopen(url, timeout=5):
+        return
+    except (urllib.error.URLError, ConnectionError, OSError):
+      if time.time() > end:
+        raise RuntimeError(f"{url} did not answer within {timeout:.0f} s") from None
+      time.sleep(0.5)
+
+
+class WebDriver:
+  """The four W3C WebDriver calls this needs, over chromedriver's HTTP port."""
+
+  def __init__(self, base: str, chromium: str, profile: str, width: int, height: int):
+    self.base = base
+    caps = {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": {
+        "binary": chromium, "args": [*CHROMIUM_ARGS, f"--user-data-dir={profile}",
+                                     f"--window-size={width},{height}"]}}}}
+    self.session = self._call("POST", "/session", caps)["sessionId"]
+
+  def _call(self, method: str, path: str, body: dict | None = None):
+    req = urllib.request.Request(self.base + path, method=method,
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+      return json.load(r)["value"]
+
+  def get(self, url: str) -> None:
+    self._call("POST", f"/session/{self.session}/url", {"url": url})
+
+  def script(self, source: str, *args):
+    return self._call("POST", f"/session/{self.session}/execute/sync", {"script": source, "args": list(args)})
+
+  def screenshot(self, path: str) -> None:
+    with open(path, "wb") as f:
+      f.write(b64decode(self._call("GET", f"/session/{self.session}/screenshot")))
+
+  def quit(self) -> None:
+    try:
+      self._call("DELETE", f"/session/{self.session}")
+    except (urllib.error.URLError, OSError):
+      pass
+
+
+def shoot(logdir: str, out: str, views: list[str] | None = None) -> dict[str, dict]:
+  """Screenshots of `views` (default all) of TensorBoard over `logdir` into `out`; returns per view its
+  URL, PNG path, whether a clicked tab was found, and the visible text."""
+  os.makedirs(out, exist_ok=True)
+  procs = []
+  profile = tempfile.mkdtemp(prefix="tb_shots_chromium_")
+  tb_log = open(os.path.join(out, "tensorboard.log"), "w", encoding="utf-8")
+  try:
+    tb_port, wd_port = _free_port(), _free_port()
+    procs.append(subprocess.Popen([sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}",
+                                   "--host=127.0.0.1", f"--port={tb_port}", "--reload_interval=0"],
+                                  stdout=tb_log, stderr=subprocess.STDOUT))
+    procs.append(subprocess.Popen([FLAGS.chromedriver, f"--port={wd_port}"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL))
+    tb = f"http://127.0.0.1:{tb_port}"
+    _wait_http(tb + "/data/plugins_listing", 120)
+    _wait_http(f"http://127.0.0.1:{wd_port}/status", 60)
+    with urllib.request.urlopen(tb + "/data/plugins_listing", timeout=30) as r:
+      active = {name for name, p in json.load(r).items() if p.get("enabled")}
+    driver = WebDriver(f"http://127.0.0.1:{wd_port}", FLAGS.chromium, profile, FLAGS.width, FLAGS.height)
+    result = {}
+    try:
+      for name in views or list(VIEWS):
+        fragment, click = VIEWS[name]
+        plugin = fragment.split("&")[0]
+        plugin = "scalars" if plugin == "timeseries" else plugin
+        if plugin not in active:
+          result[name] = {"skipped": f"plugin {plugin} not active (no data, or not installed)"}
+          continue
+        url = f"{tb}/#{fragment}"
+        driver.get("about:blank")  # a fresh load per view: no state carried from the previous one
+        driver.get(url)
+        time.sleep(FLAGS.settle_s)
+        clicked = None
+        if click:
+          clicked = bool(driver.script(_CLICK, click))
+          time.sleep(FLAGS.settle_s)
+        path = os.path.join(out, f"{name}.png")
+        driver.screenshot(path)
+        result[name] = {"url": url, "png": path, "clicked": click and (click if clicked else f"NOT FOUND: {click}"),
+                        "text": driver.script(_TEXT)}
+    finally:
+      driver.quit()
+  finally:
+    for p in procs:
+      p.terminate()
+    for p in procs:
+      try:
+        p.wait(timeout=20)
+      except subprocess.TimeoutExpired:
+        p.kill()
+    tb_log.close()
+    shutil.rmtree(profile, ignore_errors=True)
+  with open(os.path.join(out, "views.json"), "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+  return result
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not FLAGS.logdir or not os.path.isdir(FLAGS.logdir):
+    raise app.UsageError(f"--logdir={FLAGS.logdir}: give a folder holding run folders")
+  for exe in (FLAGS.chromedriver, FLAGS.chromium):
+    if not shutil.which(exe):
+      raise app.UsageError(f"{exe} not found: apt-get install -y chromium chromium-driver (as root)")
+  unknown = [v for v in FLAGS.views if v not in VIEWS]
+  if unknown:
+    raise app.UsageError(f"--views: unknown {', '.join(unknown)}; known: {', '.join(VIEWS)}")
+  for name, r in shoot(FLAGS.logdir, FLAGS.out, FLAGS.views or None).items():
+    print(f"{name}: {r.get('png') or r.get('skipped')}" + (f" (clicked {r['clicked']})" if r.get("clicked") else ""))
+
+
+if __name__ == "__main__":
+  app.run(main)
