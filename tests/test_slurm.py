@@ -11,6 +11,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -66,7 +67,7 @@ def slurm(tmp_path_factory):
   """4 hosts in 2 racks (400 Mbit/s host links, 100 Mbit/s uplinks) with SLURM up; all removed afterwards."""
   bed = tbm.Testbed.new(hosts=4, racks=2, host_rate=400_000_000, uplink_rate=100_000_000)
   bed.up()
-  cluster = stb.SlurmTestbed(bed, str(tmp_path_factory.mktemp("slurm")))
+  cluster = stb.SlurmTestbed(bed, str(tmp_path_factory.mktemp("slurm")), slurmd_timeout=15)
   try:
     cluster.up()
     yield cluster
@@ -152,3 +153,37 @@ def test_sbatch_study_on_shared_uplinks(slurm, tmp_path):
   assert os.path.exists(os.path.join(res, "logs", "e000", "j0.0", "srun.log"))
   sigma = json.load(open(os.path.join(res, "report", "sigma.json"), encoding="utf-8"))[0]["sigma"]
   assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
+
+
+@needs_slurm
+def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
+  """A node fails mid-study (its slurmd and processes killed): SLURM sets it DOWN and requeues the batch job, whose
+  study ends on SIGTERM with the unfinished unit left aside; once the node is back, the requeued job resumes."""
+  plan, res, log = str(tmp_path / "plan"), str(tmp_path / "res"), tmp_path / "study.out"
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "plan",
+                      "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}"],
+                     capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=120, check=False)
+  assert r.returncode == 0, r.stderr
+  job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10", "--open-mode=append",
+                      f"--output={log}", "scripts/slurm_study.sbatch", plan, res, "--bytes_scale=0.0015",
+                      "--iters=7", "--grace=60"], cwd=REPO, env=clean_env())
+  deadline = time.monotonic() + 120
+  while not os.path.exists(os.path.join(res, "raw", "e000", "j1.0.jsonl")):  # the concurrent unit has started
+    assert time.monotonic() < deadline and slurm.job_state(job)[0] in ("PENDING", "RUNNING"), log.read_text()
+    time.sleep(0.2)
+  slurm.fail_node(3)
+  while slurm.job_state(job)[0] != "PENDING":  # requeued
+    assert time.monotonic() < deadline + 60, (slurm.job_state(job), slurm.node_states())
+    time.sleep(0.5)
+  assert slurm.node_states()[slurm.bed.host_name(3)].startswith("down")
+  first = log.read_text()
+  assert "DUE TO NODE FAILURE" in first and "interrupted (SIGTERM)" in first, first[-3000:]
+  assert [u["status"] for u in records(os.path.join(res, "units.jsonl"))] == ["done"]  # the baseline only
+  slurm.restore_node(3)
+  state, code = slurm.wait(job, timeout=240)
+  second = log.read_text()[len(first):]
+  assert (state, code) == ("COMPLETED", "0:0"), second[-3000:]
+  assert "1 unit(s) already done, 1 to run" in second
+  units = records(os.path.join(res, "units.jsonl"))
+  assert [(u["unit"], u["status"]) for u in units] == [("base-dp-vit-h-g2-intra-group", "done"), ("e000", "done")]
+  assert any(name.startswith("e000.") for name in os.listdir(os.path.join(res, "aborted")))

@@ -49,15 +49,19 @@ def hostlist(names: Sequence[str]) -> str:
   return ",".join(names)
 
 
-def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cpus: int, gpus: int) -> str:
-  """slurm.conf for the testbed: node i is host i's namespace name at its testbed address."""
+def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cpus: int, gpus: int,
+               slurmd_timeout: int = 30) -> str:
+  """slurm.conf for the testbed: node i is host i's namespace name at its testbed address. A node whose slurmd
+  does not answer for slurmd_timeout seconds is set DOWN and its batch jobs are requeued (JobRequeue=1)."""
   ctl = bed.host_name(0)
   lines = [
       f"ClusterName={bed.prefix}",
       f"SlurmctldHost={ctl}({bed.addr(0)})", "MailProg=/bin/true",
       "SlurmUser=root", "SlurmdUser=root",
       f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
-      "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={os.path.join(work, 'munge.socket')}",
+      "AuthType=auth/munge", "CredType=cred/munge",
+      # cred_expire also delays a requeued batch job's restart (default 120 s)
+      f"AuthInfo=socket={os.path.join(work, 'munge.socket')},cred_expire=20",
       f"StateSaveLocation={os.path.join(work, 'state')}",
       f"SlurmdSpoolDir={os.path.join(work, 'spool', '%n')}",
       f"SlurmctldPidFile={os.path.join(work, 'slurmctld.pid')}",
@@ -67,10 +71,10 @@ def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cp
       "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
       "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "LaunchParameters=use_interactive_step",
       "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "TopologyPlugin=topology/tree",
-      "SchedulerType=sched/backfill", "SchedulerParameters=sched_interval=1",
+      "SchedulerType=sched/backfill", "JobRequeue=1", "SchedulerParameters=sched_interval=1",
       "SlurmdParameters=config_overrides",  # CPUs as configured, not as this machine has
-      "ReturnToService=2", "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "MinJobAge=30",
-      "KillWait=5", "MessageTimeout=20", "UnkillableStepTimeout=30",
+      "ReturnToService=2", "SlurmctldTimeout=30", f"SlurmdTimeout={slurmd_timeout}", "InactiveLimit=0",
+      "MinJobAge=30", "KillWait=5", "MessageTimeout=20", "UnkillableStepTimeout=30",
       "GresTypes=gpu" if gpus else "",
   ]
   gres = f" Gres=gpu:{gpus}" if gpus else ""
@@ -98,8 +102,9 @@ class SlurmTestbed:
 
   `cpus` and `gpus` are what each node declares (the GPUs are empty files: GRES bookkeeping only)."""
 
-  def __init__(self, bed: tbm.Testbed, work: str, *, cpus: int = 8, gpus: int = 8):
+  def __init__(self, bed: tbm.Testbed, work: str, *, cpus: int = 8, gpus: int = 8, slurmd_timeout: int = 30):
     self.bed = bed
+    self.slurmd_timeout = slurmd_timeout
     self.work = os.path.abspath(work)
     self.cpus = cpus
     self.gpus = gpus
@@ -138,7 +143,7 @@ class SlurmTestbed:
     while slurmd_port == ctld_port:
       slurmd_port = self.bed.free_port(0)
     with open(self.conf, "w", encoding="ascii") as f:
-      f.write(slurm_conf(self.bed, self.work, ctld_port, slurmd_port, self.cpus, self.gpus))
+      f.write(slurm_conf(self.bed, self.work, ctld_port, slurmd_port, self.cpus, self.gpus, self.slurmd_timeout))
     with open(os.path.join(self.work, "topology.conf"), "w", encoding="ascii") as f:
       f.write(topology_conf(self.bed))
     with open(os.path.join(self.work, "gres.conf"), "w", encoding="ascii") as f:
@@ -176,13 +181,16 @@ class SlurmTestbed:
       self._wait(lambda: os.path.exists(f"{w}/munge.socket"), timeout, "munged did not create its socket")
       self._start(self.daemon_argv([_daemon("slurmctld"), "-D", "-i", "-f", self.conf], 0), "slurmctld.out")
       for i in range(self.bed.hosts):
-        self._slurmd[i] = self._start(
-            self.daemon_argv([_daemon("slurmd"), "-D", "-N", self.bed.host_name(i), "-f", self.conf], i),
-            f"slurmd-{self.bed.host_name(i)}.out")
+        self._start_slurmd(i)
       self._wait(self._all_idle, timeout, "the nodes did not come up idle")
     except BaseException:
       self.down()
       raise
+
+  def _start_slurmd(self, host: int) -> None:
+    name = self.bed.host_name(host)
+    self._slurmd[host] = self._start(self.daemon_argv([_daemon("slurmd"), "-D", "-N", name, "-f", self.conf], host),
+                                     f"slurmd-{name}.out")
 
   def _wait(self, ready, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
@@ -209,31 +217,56 @@ class SlurmTestbed:
     fields = dict(f.split("=", 1) for f in r.stdout.split() if "=" in f) if r.returncode == 0 else {}
     return fields.get("JobState", ""), fields.get("ExitCode", "")
 
-  def sbatch(self, args: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-             timeout: float = 300, host: int = 0) -> tuple[str, str, str]:
-    """Submits `sbatch ARGS` from host `host` and waits for the job to end: (job id, state, exit code).
-
-    Polls scontrol twice a second (`sbatch --wait` polls every few seconds); cancels the job on a timeout."""
+  def submit(self, args: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+             host: int = 0) -> str:
+    """Submits `sbatch ARGS` from host `host` (env: the job's environment, default os.environ); the job id."""
     r = self.run(["sbatch", "--parsable", *args], host=host, cwd=cwd, env=self.env(env), timeout=60)
     if r.returncode != 0:
       raise SlurmTestbedError(f"sbatch failed: {(r.stderr or r.stdout).strip()}")
-    job_id = r.stdout.strip().split(";")[0]
+    return r.stdout.strip().split(";")[0]
+
+  def sbatch(self, args: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+             timeout: float = 300, host: int = 0) -> tuple[str, str, str]:
+    """Submits `sbatch ARGS` and waits for the job to end: (job id, state, exit code)."""
+    job_id = self.submit(args, cwd=cwd, env=env, host=host)
+    return (job_id,) + self.wait(job_id, timeout)
+
+  def wait(self, job_id: str, timeout: float = 300) -> tuple[str, str]:
+    """Waits for a job to end: (state, exit code). Polls scontrol twice a second (`sbatch --wait` polls every
+    few seconds); cancels the job on a timeout."""
     deadline = time.monotonic() + timeout
     while True:
       state, code = self.job_state(job_id)
       if state and state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
-        return job_id, state, code
+        return state, code
       if time.monotonic() > deadline:
         self.run(["scancel", job_id])
         raise SlurmTestbedError(f"job {job_id} still {state or 'unknown'} after {timeout:.0f} s; cancelled")
       time.sleep(0.5)
 
-  def kill_slurmd(self, host: int) -> None:
-    """Kills host `host`'s slurmd (SIGKILL), as a failed node; its steps' processes keep running."""
-    proc = self._slurmd.get(host)
-    if proc is not None and proc.poll() is None:
-      os.kill(proc.pid, signal.SIGKILL)
-      proc.wait()
+  def fail_node(self, host: int) -> None:
+    """Host `host` fails: its slurmd and every process in its namespace (steps, tasks) are SIGKILLed."""
+    if host == 0:
+      raise ValueError("host 0 runs the controller; fail another host")
+    proc = self._slurmd.pop(host, None)
+    if proc is not None:
+      if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+      self._procs.remove(proc)
+    pids = subprocess.run(["ip", "netns", "pids", self.bed.host_ns(host)], capture_output=True, text=True,
+                          check=False).stdout.split()
+    for pid in pids:
+      try:
+        os.kill(int(pid), signal.SIGKILL)
+      except (ProcessLookupError, ValueError):
+        pass  # already gone
+
+  def restore_node(self, host: int, timeout: float = 60) -> None:
+    """Starts host `host`'s slurmd again and waits until SLURM has it back (ReturnToService=2)."""
+    name = self.bed.host_name(host)
+    self._start_slurmd(host)
+    self._wait(lambda: self.node_states().get(name) in ("idle", "mix", "alloc"), timeout, f"{name} did not return")
 
   def down(self) -> None:
     """Stops every daemon this object started (SIGTERM, SIGKILL after 5 s), in reverse order."""
