@@ -1,11 +1,15 @@
-"""Jobs of compute and communication phases running side by side on shared links: iteration times and sigma.
+"""Jobs running side by side on shared links: every rank's timeline of compute and collectives, the
+collectives' flows sharing links max-min fairly, iteration times and sigma.
 
-A job's iteration is a sequence of phases, each either compute (a fixed time: it shares nothing) or a set
-of flows that all start together and end the phase when the last one finishes. Every job repeats its
-iteration; flows of all jobs share links max-min fairly while they overlap in time (`flows.max_min_rates`),
-rates recomputed at every event. The model's assumptions, said wherever a prediction is shown: jobs start
-together; compute does not slow down beside other jobs; no latency, protocol or congestion-control cost
-beyond fair sharing; a job's ranks move in step (a phase is its slowest flow).
+A job is a program per rank: compute (a fixed time that shares nothing), `Start` of a collective (it begins
+once every member has started it; its flows then share the links with every other flow in flight), `Wait`
+for started collectives, and `Blocking` (start, then wait). A collective ends when its last flow ends. Every
+rank repeats its program; the job's iteration ends when its slowest rank ends it (the study's throughput is
+the minimum over ranks). All jobs run until each has done `iterations`, so no job's last iterations run on
+an emptied fabric (the study respawns jobs that end for the same reason).
+
+The model's assumptions, said wherever a prediction is shown (ASSUMPTIONS): jobs start together; compute
+is unaffected by other jobs; no latency, protocol or congestion-control cost beyond max-min fair sharing.
 """
 
 from __future__ import annotations
@@ -17,86 +21,182 @@ from microbench.fabric import flows as fl
 
 ASSUMPTIONS = ("jobs start together and repeat their iterations back to back",
                "concurrent flows share each link max-min fairly; no latency or congestion-control loss",
-               "compute is unaffected by other jobs; a communication phase ends with its slowest flow")
+               "compute is unaffected by other jobs")
 
 
 @dataclasses.dataclass(frozen=True)
-class Phase:
-  compute_s: float = 0.0
-  flows: tuple[tuple[tuple[str, ...], float], ...] = ()  # (links crossed, bytes) per flow
+class Collective:
+  """One collective call: its members (rank ids of the job) and its flows (links crossed, bytes)."""
+  key: str  # the same on every member for the same call (a group's n-th call of this kind)
+  members: tuple[int, ...]
+  flows: tuple[tuple[tuple[str, ...], float], ...]
 
-  def __post_init__(self):
-    if self.compute_s and self.flows:
-      raise ValueError("a phase is compute or communication, not both")
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+  collective: Collective
+  handle: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+  handles: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocking:
+  collective: Collective
+
+
+Step = Compute | Start | Wait | Blocking
 
 
 @dataclasses.dataclass(frozen=True)
 class Job:
   name: str
-  phases: tuple[Phase, ...]
+  programs: Mapping[int, tuple[Step, ...]]  # rank -> its steps for one iteration
+
+
+class ModelError(RuntimeError):
+  """The jobs cannot progress under the model (a collective some member never starts)."""
 
 
 @dataclasses.dataclass
-class _State:
-  job: Job
-  phase: int = 0
-  phase_end: float | None = None  # compute phases
-  left: dict[str, float] = dataclasses.field(default_factory=dict)  # flow id -> bytes left
-  paths: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-  iteration_start: float = 0.0
-  times: list[float] = dataclasses.field(default_factory=list)
+class _Rank:
+  job: int
+  rank: int
+  steps: tuple[Step, ...]
+  pc: int = 0
+  iteration: int = 0
+  busy_until: float | None = None
+  handles: dict[int, tuple] = dataclasses.field(default_factory=dict)  # handle -> call id
+  blocked_on: tuple = ()  # call ids it waits for
+  ends: list[float] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Call:
+  members: frozenset
+  flows: tuple[tuple[tuple[str, ...], float], ...]
+  arrived: set = dataclasses.field(default_factory=set)
+  live: set = dataclasses.field(default_factory=set)  # flow ids in flight
+  started: bool = False
+  done: bool = False
+
+
+def _check_members(job: Job) -> None:
+  """Every collective must be called by each of its members (else the model, like the job, would hang)."""
+  calls: dict[str, tuple[int, ...]] = {}
+  callers: dict[str, set[int]] = {}
+  for rank, steps in job.programs.items():
+    for step in steps:
+      if isinstance(step, (Start, Blocking)):
+        calls[step.collective.key] = step.collective.members
+        callers.setdefault(step.collective.key, set()).add(rank)
+  for key, members in calls.items():
+    missing = sorted(set(members) - callers[key])
+    if missing:
+      raise ModelError(f"job {job.name}: collective {key} is never started by member rank(s)"
+                       f" {', '.join(map(str, missing[:4]))}: no rank could get past it")
 
 
 def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6) -> dict[str, list[float]]:
-  """Seconds per iteration of each job, `iterations` of each, all jobs running at once from time 0."""
-  states = [_State(j) for j in jobs]
+  """Seconds per iteration of each job (its slowest rank), all jobs running at once from time 0."""
+  for job in jobs:
+    _check_members(job)
+  ranks = [_Rank(j, r, tuple(steps)) for j, job in enumerate(jobs) for r, steps in sorted(job.programs.items())]
+  calls: dict[tuple, _Call] = {}
+  left: dict[str, float] = {}
+  paths: dict[str, tuple[str, ...]] = {}
+  owner: dict[str, tuple] = {}
   now = 0.0
 
-  def enter(st: _State) -> None:
-    """Starts phases until one takes time (a phase with nothing to do passes at once)."""
-    while len(st.times) < iterations:
-      if st.phase == len(st.job.phases):
-        st.times.append(now - st.iteration_start)
-        st.iteration_start, st.phase = now, 0
-        continue
-      ph = st.job.phases[st.phase]
-      if ph.compute_s > 0:
-        st.phase_end = now + ph.compute_s
-        return
-      live = [(links, b) for links, b in ph.flows if b > 0]
-      if live:
-        for i, (links, b) in enumerate(live):
-          fid = f"{st.job.name}/{st.phase}/{i}"
-          st.left[fid], st.paths[fid] = float(b), tuple(links)
-        return
-      st.phase += 1
+  def call_id(st: _Rank, c: Collective) -> tuple:
+    return (st.job, st.iteration, c.key)
 
-  for st in states:
-    enter(st)
-  while any(len(st.times) < iterations for st in states):
-    paths = {f: p for st in states for f, p in st.paths.items()}
+  def arrive(st: _Rank, c: Collective) -> tuple:
+    cid = call_id(st, c)
+    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows))
+    call.arrived.add(st.rank)
+    if not call.started and call.arrived >= call.members:
+      call.started = True
+      for i, (links, size) in enumerate(call.flows):
+        if size > 0:
+          fid = f"{cid}/{i}"
+          left[fid], paths[fid], owner[fid] = float(size), tuple(links), cid
+          call.live.add(fid)
+      call.done = not call.live
+    return cid
+
+  def advance(st: _Rank) -> bool:
+    """Runs the rank's steps until one blocks; True if it moved."""
+    moved = False
+    while True:
+      if st.blocked_on:
+        if not all(calls[c].done for c in st.blocked_on):
+          return moved
+        st.blocked_on = ()
+      if st.busy_until is not None:
+        if st.busy_until > now + fl.EPS:
+          return moved
+        st.busy_until = None
+      if st.pc == len(st.steps):
+        st.ends.append(now)
+        st.iteration, st.pc, st.handles = st.iteration + 1, 0, {}
+        moved = True
+        if all(len(x.ends) >= iterations for x in ranks):
+          return moved
+        continue
+      step = st.steps[st.pc]
+      st.pc += 1
+      moved = True
+      if isinstance(step, Compute):
+        if step.seconds > 0:
+          st.busy_until = now + step.seconds
+      elif isinstance(step, Start):
+        st.handles[step.handle] = arrive(st, step.collective)
+      elif isinstance(step, Blocking):
+        st.blocked_on = (arrive(st, step.collective),)
+      else:
+        st.blocked_on = tuple(st.handles[h] for h in step.handles)
+
+  while not all(len(st.ends) >= iterations for st in ranks):
+    while any([advance(st) for st in ranks]):
+      pass
+    if all(len(st.ends) >= iterations for st in ranks):
+      break
     rates = fl.max_min_rates(paths, capacity) if paths else {}
-    step = min([st.phase_end - now for st in states if st.phase_end is not None]
-               + [st.left[f] / rates[f] for st in states for f in st.left])
-    now += max(step, 0.0)
-    for st in states:
-      for f in list(st.left):
-        st.left[f] -= rates[f] * step
-        if st.left[f] <= fl.EPS * max(1.0, rates[f]):
-          del st.left[f], st.paths[f]
-      finished = (st.phase_end is not None and st.phase_end <= now + fl.EPS) or (
-          st.phase_end is None and not st.left and len(st.times) < iterations)
-      if finished:
-        st.phase_end = None
-        st.phase += 1
-        enter(st)
-  return {st.job.name: st.times for st in states}
+    candidates = [st.busy_until - now for st in ranks if st.busy_until is not None]
+    candidates += [left[f] / rates[f] for f in left]
+    if not candidates:
+      waiting = sorted({str(c) for st in ranks for c in st.blocked_on if not calls[c].started})
+      raise ModelError(f"no rank can progress: collectives some member never starts: {', '.join(waiting[:3])}")
+    step = max(min(candidates), 0.0)
+    now += step
+    for f in list(left):
+      left[f] -= rates[f] * step
+      if left[f] <= fl.EPS * max(1.0, rates[f]):
+        call = calls[owner[f]]
+        call.live.discard(f)
+        call.done = not call.live
+        del left[f], paths[f], owner[f]
+  out: dict[str, list[float]] = {}
+  for j, job in enumerate(jobs):
+    mine = [st for st in ranks if st.job == j]
+    ends = [max(st.ends[i] for st in mine) for i in range(iterations)]
+    out[job.name] = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+  return out
 
 
 def steady(times: Sequence[float]) -> float:
-  """An iteration time that leaves out the first (jobs start aligned, so the first is not typical)."""
-  rest = list(times[1:]) or list(times)
-  return sorted(rest)[len(rest) // 2]
+  """The median iteration time without the first (jobs start aligned, so the first is not typical)."""
+  rest = sorted(times[1:]) or sorted(times)
+  return rest[len(rest) // 2]
 
 
 def sigma(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6) -> dict[str, dict[str, float]]:
