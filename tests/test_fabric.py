@@ -41,7 +41,31 @@ def test_flow_errors_are_one_line():
 
 # Jobs side by side.
 def _job(name: str, compute_s: float, links: tuple[str, ...], comm_bytes: float) -> fj.Job:
-  return fj.Job(name, (fj.Phase(compute_s=compute_s), fj.Phase(flows=((links, comm_bytes),))))
+  """One rank: compute, then a blocking transfer over `links`."""
+  send = fj.Collective("send", (0,), ((links, comm_bytes),))
+  return fj.Job(name, {0: (fj.Compute(compute_s), fj.Blocking(send))})
+
+
+def test_overlapped_communication_hides_behind_compute_until_the_link_is_shared():
+  # Two ranks; each starts a 1 s transfer (alone) and computes 1.5 s before waiting for it.
+  def job(name, links):
+    c = fj.Collective("ar", (0, 1), ((links[0], 1.0), (links[1], 1.0)))
+    prog = (fj.Start(c, 0), fj.Compute(1.5), fj.Wait((0,)))
+    return fj.Job(name, {0: prog, 1: prog})
+  cap = {"a": 1.0, "b": 1.0, "shared": 1.0}
+  alone = fj.run([job("x", (("a",), ("b",)))], cap, 3)["x"]
+  assert alone == pytest.approx([1.5, 1.5, 1.5])  # fully hidden
+  s = fj.sigma([job("x", (("a", "shared"), ("b",))), job("y", (("shared",), ("b",)))], cap)
+  assert s["x"]["sigma"] == pytest.approx(2.0 / 1.5)  # 2 s on the shared link, no longer hidden
+
+
+def test_a_collective_waits_for_its_last_member():
+  c = fj.Collective("ar", (0, 1), ((("L",), 1.0),))
+  job = fj.Job("j", {0: (fj.Compute(1.0), fj.Blocking(c)), 1: (fj.Compute(3.0), fj.Blocking(c))})
+  assert fj.run([job], {"L": 1.0}, 2)["j"] == pytest.approx([4.0, 4.0])
+  never = fj.Job("k", {0: (fj.Blocking(c),), 1: (fj.Compute(1.0),)})
+  with pytest.raises(fj.ModelError, match="never started by member rank"):
+    fj.run([never], {"L": 1.0}, 2)
 
 
 def test_a_half_communicating_job_sharing_its_only_link_with_an_equal_job_gets_sigma_one_and_a_half():
@@ -154,3 +178,49 @@ def test_bad_shapes_and_sizes_are_one_line():
     fc.predict(fd.system("dgx"), "all_reduce", 0, fc.Shape(8))
   assert fc.Shape.parse("4x2").ranks == 8
   assert fc.dense_shape(fd.system("leonardo"), 64).text() == "4x10x2x1 (64 ranks)"
+
+
+# The command line.
+def _report(*args: str):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  return subprocess.run([sys.executable, "-m", "microbench.cli.report", *args], capture_output=True, text=True,
+                        check=False, timeout=120)
+
+
+def test_report_predicts_on_a_fabric_with_algorithm_and_bottleneck():
+  r = _report("--fabric=testbed:racks=2,hosts_per_rack=2,host_rate=8gbit,uplink_rate=2gbit", "--shapes=1x2,1x2x2",
+              "--predict=1M")
+  assert r.returncode == 0, r.stderr
+  rows = [line for line in r.stdout.splitlines() if line.startswith("| all_reduce")]
+  assert len(rows) == 2
+  assert "| 2 | 1x2x1x1 | 1M | ring (auto) |" in rows[0] and rows[0].endswith("| 1 | nic |")
+  assert "| 4 | 1x2x2x1 |" in rows[1] and rows[1].endswith("| 0.25 | leaf_up |")
+  assert "# assumed: link-rate bound" in r.stdout
+
+
+@pytest.mark.parametrize("args, msg", [
+    (("--fabric=dgx", "--gpus=8"), "--fabric needs --predict"),
+    (("--fabric=dgx", "--gpus=0", "--predict=1M"), "not a positive number of GPUs"),
+    (("--fabric=dgx", "--shapes=16", "--predict=1M"), "does not fit"),
+    (("--fabric=dgx", "--gpus=8", "--predict=1M", "--algorithm=nvls"), "NVLink 4 or later"),
+    (("--fabric=dgx", "--gpus=8", "--predict=-1"), "not a positive size"),
+])
+def test_report_fabric_bad_input_is_one_line(args, msg):
+  r = _report(*args)
+  assert r.returncode != 0 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_sweep_takes_its_link_peaks_from_the_fabric(tmp_path):
+  """One description: `microbench --fabric=dgx` reports against the same links the predictions use, and
+  --link_peaks still wins per level."""
+  import json  # pylint: disable=g-import-not-at-top
+  from conftest import run_cli  # pylint: disable=g-import-not-at-top
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=all_reduce", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=1K", "--iters=6",
+               "--samples=3", "--fabric=dgx", "--link_peaks=scale_out:ndr", f"--outdir={out}"])
+  assert r.returncode == 0, r.stderr
+  meta = json.loads((out / "meta.json").read_text())
+  assert meta["link_peaks"]["scale_up"] == {"gbps": 300.0, "link": "nvlink3", "source": "fabric dgx"}
+  assert meta["link_peaks"]["scale_out"]["link"] == "ndr"  # the flag over the fabric's hdr
+  assert meta["fabric"][0].startswith("dgx: 8 x A100")
