@@ -83,6 +83,13 @@ def collective_figure(collective: str, panels: Sequence[Panel],
   return fig
 
 
+class _PlainLogFormatter(ticker.LogFormatter):
+  """matplotlib's log-axis labelling (which ticks get a label), each label a plain number."""
+
+  def _num_to_string(self, x, vmin, vmax):  # pylint: disable=unused-argument
+    return f"{x:g}"
+
+
 def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: tuple[int, int] = (1, 1)) -> Figure:
   """Run(s) B over run(s) A time per point (tables.RATIO_HEADERS rows), one panel per collective, with each
   point's interval as an error bar and changed points (interval excludes 1) ringed; the title says what
@@ -117,7 +124,8 @@ def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: t
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")  # 2x slower and 2x faster are the same distance from 1
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda y, _: f"{y:g}"))  # 0.6, not 6 x 10^-1
+    # Minor ticks labelled only over a narrow range (matplotlib's thresholds), as 0.6 rather than 6 x 10^-1.
+    ax.yaxis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(1, 0.4)))
     ax.set_title(coll, fontsize=10)
     ax.set_ylabel("time B/A")
     ax.set_xlabel("message size S (bytes)")
