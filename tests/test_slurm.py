@@ -67,7 +67,7 @@ def slurm(tmp_path_factory):
   """4 hosts in 2 racks (400 Mbit/s host links, 100 Mbit/s uplinks) with SLURM up; all removed afterwards."""
   bed = tbm.Testbed.new(hosts=4, racks=2, host_rate=400_000_000, uplink_rate=100_000_000)
   bed.up()
-  cluster = stb.SlurmTestbed(bed, str(tmp_path_factory.mktemp("slurm")), slurmd_timeout=15)
+  cluster = stb.SlurmTestbed(bed, str(tmp_path_factory.mktemp("slurm")), slurmd_timeout=10)
   try:
     cluster.up()
     yield cluster
@@ -148,8 +148,9 @@ def test_sbatch_study_on_shared_uplinks(slurm, tmp_path):
   instances = [i for j in units[1]["jobs"] for i in j["instances"]]
   stopped = [i for i in instances if i["outcome"] == "stopped"]
   # Ended by SIGUSR1, which srun forwards, never by the SIGKILL after the grace: exit 0 (the proxy's handler),
-  # 138 (SIGUSR1 before the handler is installed) or 143 (one rank died of it; srun -K terminated the rest).
-  assert stopped and all(i["returncode"] in (0, 128 + 10, 128 + 15) for i in stopped), stopped
+  # 138 (SIGUSR1 before the handler is installed), 143 (one rank died of it; srun -K terminated the rest) or
+  # -SIGUSR1 (srun itself, signalled before it set up its forwarding).
+  assert stopped and all(i["returncode"] in (0, 128 + 10, 128 + 15, -10) for i in stopped), stopped
   assert os.path.exists(os.path.join(res, "logs", "e000", "j0.0", "srun.log"))
   sigma = json.load(open(os.path.join(res, "report", "sigma.json"), encoding="utf-8"))[0]["sigma"]
   assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
@@ -166,7 +167,7 @@ def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
   assert r.returncode == 0, r.stderr
   job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10", "--open-mode=append",
                       f"--output={log}", "scripts/slurm_study.sbatch", plan, res, "--bytes_scale=0.0015",
-                      "--iters=7", "--grace=60"], cwd=REPO, env=clean_env())
+                      "--iters=4", "--grace=60"], cwd=REPO, env=clean_env())
   deadline = time.monotonic() + 120
   while not os.path.exists(os.path.join(res, "raw", "e000", "j1.0.jsonl")):  # the concurrent unit has started
     assert time.monotonic() < deadline and slurm.job_state(job)[0] in ("PENDING", "RUNNING"), log.read_text()
