@@ -58,7 +58,8 @@ def test_config_names_every_host_at_its_address_and_the_racks():
   assert stb.topology_conf(bed).splitlines() == ["SwitchName=rack0 Nodes=tbabc123-h0,tbabc123-h1",
                                                  "SwitchName=rack1 Nodes=tbabc123-h2,tbabc123-h3",
                                                  "SwitchName=core Switches=rack0,rack1"]
-  assert stb.topology_conf(tbm.Testbed(prefix="tbabc123", hosts=2)) == "SwitchName=rack0 Nodes=tbabc123-h0,tbabc123-h1\n"
+  one_rack = tbm.Testbed(prefix="tbabc123", hosts=2)
+  assert stb.topology_conf(one_rack) == "SwitchName=rack0 Nodes=tbabc123-h0,tbabc123-h1\n"
 
 
 # The real thing.

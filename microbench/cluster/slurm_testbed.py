@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 from microbench.cluster import testbed as tbm
 
-DAEMONS = ("munged", "slurmctld", "slurmd", "unshare")
+DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "salloc", "sinfo", "scontrol", "squeue", "scancel")
 PARTITION = "testbed"
 
@@ -38,6 +38,8 @@ def missing_parts() -> str | None:
   missing = [t for t in DAEMONS + CLIENTS if shutil.which(t) is None and not os.path.exists(f"/usr/sbin/{t}")]
   if missing:
     return f"SLURM's {', '.join(missing)} not installed (Debian: apt-get install slurm-wlm munge)"
+  if shutil.which("unshare") is None:
+    return "`unshare` (util-linux) not found on PATH"
   return tbm.permission_problem()
 
 
@@ -110,6 +112,7 @@ class SlurmTestbed:
     self.gpus = gpus
     self.conf = os.path.join(self.work, "slurm.conf")
     self._procs: list[subprocess.Popen] = []
+    self._logs: dict[int, str] = {}  # pid -> the daemon's stdout/stderr file
     self._slurmd: dict[int, subprocess.Popen] = {}
 
   def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -160,10 +163,12 @@ class SlurmTestbed:
       f.write(os.urandom(1024))
 
   def _start(self, argv: list[str], log: str) -> subprocess.Popen:
-    with open(os.path.join(self.work, "log", log), "ab") as out:
+    path = os.path.join(self.work, "log", log)
+    with open(path, "ab") as out:
       proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                               env=self.env(), start_new_session=True)
     self._procs.append(proc)
+    self._logs[proc.pid] = path
     return proc
 
   def up(self, timeout: float = 60) -> None:
@@ -195,10 +200,16 @@ class SlurmTestbed:
   def _wait(self, ready, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
-      dead = [p for p in self._procs if p.poll() is not None]
-      if dead:
-        name = next((os.path.basename(a) for a in dead[0].args if os.path.basename(a) in DAEMONS), "a daemon")
-        raise SlurmTestbedError(f"{name} exited with {dead[0].returncode}; logs in {self.work}/log")
+      dead = next((p for p in self._procs if p.poll() is not None), None)
+      if dead is not None:
+        name = next((os.path.basename(a) for a in dead.args if os.path.basename(a) in DAEMONS), "a daemon")
+        try:
+          with open(self._logs[dead.pid], encoding="utf-8", errors="replace") as f:
+            last = (f.read().strip().splitlines() or [""])[-1]
+        except OSError:
+          last = ""
+        raise SlurmTestbedError(f"{name} exited with {dead.returncode}{': ' + last if last else ''} "
+                                f"(logs in {self.work}/log)")
       if time.monotonic() > deadline:
         raise SlurmTestbedError(f"{what} within {timeout:.0f} s; logs in {self.work}/log")
       time.sleep(0.25)
