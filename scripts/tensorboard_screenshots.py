@@ -93,6 +93,16 @@ parts.push(document.body ? document.body.innerText : '');
 return parts.join(' ').replace(/\\s+/g, ' ').slice(0, 20000);
 """
 
+# The parallel-coordinates plot draws one path per session group under `g.foreground`.
+_SESSION_LINES = _WALK + """
+let n = 0;
+for (const el of walk(document)) {
+  if (el.tagName.toLowerCase() === 'path' && el.parentNode && el.parentNode.getAttribute
+      && el.parentNode.getAttribute('class') === 'foreground') n++;
+}
+return n;
+"""
+
 
 def _free_port() -> int:
   with socket.socket() as s:
@@ -146,59 +156,92 @@ class WebDriver:
       pass
 
 
-def shoot(logdir: str, out: str, views: list[str] | None = None) -> dict[str, dict]:
-  """Screenshots of `views` (default all) of TensorBoard over `logdir` into `out`; returns per view its
-  URL, PNG path, whether a clicked tab was found, and the visible text."""
-  os.makedirs(out, exist_ok=True)
-  procs = []
-  profile = tempfile.mkdtemp(prefix="tb_shots_chromium_")
-  tb_log = open(os.path.join(out, "tensorboard.log"), "w", encoding="utf-8")
-  try:
+class Browser:
+  """TensorBoard on `logdir` and a headless Chromium session, both ended on exit."""
+
+  def __init__(self, logdir: str, chromedriver: str = "/usr/bin/chromedriver", chromium: str = "/usr/bin/chromium",
+               width: int = 1600, height: int = 1100, tb_log=subprocess.DEVNULL):
+    self.profile = tempfile.mkdtemp(prefix="tb_shots_chromium_")
     tb_port, wd_port = _free_port(), _free_port()
-    procs.append(subprocess.Popen([sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}",
-                                   "--host=127.0.0.1", f"--port={tb_port}", "--reload_interval=0"],
-                                  stdout=tb_log, stderr=subprocess.STDOUT))
-    procs.append(subprocess.Popen([FLAGS.chromedriver, f"--port={wd_port}"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL))
-    tb = f"http://127.0.0.1:{tb_port}"
-    _wait_http(tb + "/data/plugins_listing", 120)
-    _wait_http(f"http://127.0.0.1:{wd_port}/status", 60)
-    with urllib.request.urlopen(tb + "/data/plugins_listing", timeout=30) as r:
-      active = {name for name, p in json.load(r).items() if p.get("enabled")}
-    driver = WebDriver(f"http://127.0.0.1:{wd_port}", FLAGS.chromium, profile, FLAGS.width, FLAGS.height)
-    result = {}
+    self.procs = [subprocess.Popen([sys.executable, "-m", "tensorboard.main", f"--logdir={logdir}",
+                                    "--host=127.0.0.1", f"--port={tb_port}", "--reload_interval=0"],
+                                   stdout=tb_log, stderr=subprocess.STDOUT),
+                  subprocess.Popen([chromedriver, f"--port={wd_port}"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)]
+    self.driver = None
     try:
-      for name in views or list(VIEWS):
-        fragment, click = VIEWS[name]
-        plugin = fragment.split("&")[0]
-        plugin = "scalars" if plugin == "timeseries" else plugin
-        if plugin not in active:
-          result[name] = {"skipped": f"plugin {plugin} not active (no data, or not installed)"}
-          continue
-        url = f"{tb}/#{fragment}"
-        driver.get("about:blank")  # a fresh load per view: no state carried from the previous one
-        driver.get(url)
-        time.sleep(FLAGS.settle_s)
-        clicked = None
-        if click:
-          clicked = bool(driver.script(_CLICK, click))
-          time.sleep(FLAGS.settle_s)
-        path = os.path.join(out, f"{name}.png")
-        driver.screenshot(path)
-        result[name] = {"url": url, "png": path, "clicked": click and (click if clicked else f"NOT FOUND: {click}"),
-                        "text": driver.script(_TEXT)}
-    finally:
-      driver.quit()
-  finally:
-    for p in procs:
+      self.tb = f"http://127.0.0.1:{tb_port}"
+      _wait_http(self.tb + "/data/plugins_listing", 120)
+      _wait_http(f"http://127.0.0.1:{wd_port}/status", 60)
+      self.driver = WebDriver(f"http://127.0.0.1:{wd_port}", chromium, self.profile, width, height)
+    except BaseException:
+      self.close()
+      raise
+
+  def __enter__(self) -> "Browser":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    if self.driver:
+      self.driver.quit()
+      self.driver = None
+    for p in self.procs:
       p.terminate()
-    for p in procs:
+    for p in self.procs:
       try:
         p.wait(timeout=20)
       except subprocess.TimeoutExpired:
         p.kill()
-    tb_log.close()
-    shutil.rmtree(profile, ignore_errors=True)
+    shutil.rmtree(self.profile, ignore_errors=True)
+
+  def parallel_coordinates_lines(self, want: int, timeout: float = 40.0) -> int:
+    """Opens HParams, clicks its parallel-coordinates tab and counts the session lines drawn, polling until
+    `want` are there or `timeout` passes (a loaded machine draws late)."""
+    self.driver.get(f"{self.tb}/#hparams")
+    end = time.time() + timeout
+    clicked = False
+    n = 0
+    while time.time() < end:
+      clicked = clicked or bool(self.driver.script(_CLICK, "PARALLEL COORDINATES VIEW"))
+      n = int(self.driver.script(_SESSION_LINES)) if clicked else 0
+      if n >= want:
+        break
+      time.sleep(0.5)
+    return n
+
+
+def shoot(logdir: str, out: str, views: list[str] | None = None) -> dict[str, dict]:
+  """Screenshots of `views` (default all) of TensorBoard over `logdir` into `out`; returns per view its
+  URL, PNG path, whether a clicked tab was found, and the visible text."""
+  os.makedirs(out, exist_ok=True)
+  result = {}
+  with open(os.path.join(out, "tensorboard.log"), "w", encoding="utf-8") as tb_log, \
+       Browser(logdir, FLAGS.chromedriver, FLAGS.chromium, FLAGS.width, FLAGS.height, tb_log) as browser:
+    with urllib.request.urlopen(browser.tb + "/data/plugins_listing", timeout=30) as r:
+      active = {name for name, p in json.load(r).items() if p.get("enabled")}
+    driver = browser.driver
+    for name in views or list(VIEWS):
+      fragment, click = VIEWS[name]
+      plugin = fragment.split("&")[0]
+      plugin = "scalars" if plugin == "timeseries" else plugin
+      if plugin not in active:
+        result[name] = {"skipped": f"plugin {plugin} not active (no data, or not installed)"}
+        continue
+      url = f"{browser.tb}/#{fragment}"
+      driver.get("about:blank")  # a fresh load per view: no state carried from the previous one
+      driver.get(url)
+      time.sleep(FLAGS.settle_s)
+      clicked = None
+      if click:
+        clicked = bool(driver.script(_CLICK, click))
+        time.sleep(FLAGS.settle_s)
+      path = os.path.join(out, f"{name}.png")
+      driver.screenshot(path)
+      result[name] = {"url": url, "png": path, "clicked": click and (click if clicked else f"NOT FOUND: {click}"),
+                      "text": driver.script(_TEXT)}
   with open(os.path.join(out, "views.json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)
   return result
