@@ -214,7 +214,7 @@ def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
   draw_count = max(BOOTSTRAP, int(math.ceil(20 / tail)))  # 20 draws beyond each bound at least
   rng = np.random.default_rng(SEED)
   both = []
-  series_parts: dict[SeriesKey, list[tuple[float, float, float] | np.ndarray | None]] = {}
+  series_parts: dict[SeriesKey, list[str | np.ndarray | None]] = {}  # RUNS, or the point's bootstrap draws
   for k, ras, rbs in matched:
     xa, xb = _log_times(ras), _log_times(rbs)
     d = float(xb.mean() - xa.mean())
@@ -225,7 +225,7 @@ def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
       se = math.sqrt(max(ss / df, own) * (1 / xa.size + 1 / xb.size))
       q = _t(tail, df)
       lo, hi, how = math.exp(d - q * se), math.exp(d + q * se), RUNS
-      series_parts.setdefault(k[:4], []).append((d, se, df))
+      series_parts.setdefault(k[:4], []).append(RUNS)
     else:
       draws = median_ratio_draws(ras[0].get("samples_us"), rbs[0].get("samples_us"), rng, draw_count)
       (lo, hi), how = interval(draws, tail), SAMPLES if draws is not None else None
@@ -238,7 +238,7 @@ def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
                  bwb / bwa if bwa and bwb else None, lo, hi, change(lo, hi), xa.size, xb.size, how))
   series_interval: dict[SeriesKey, tuple[float | None, float | None]] = {}
   for s, parts in series_parts.items():
-    if all(isinstance(p, tuple) for p in parts):
+    if all(isinstance(p, str) for p in parts):  # RUNS
       series_interval[s] = _series_t([(ras, rbs) for k, ras, rbs in matched if k[:4] == s],
                                      len(a_runs), len(b_runs), series_tail)
     elif all(isinstance(p, np.ndarray) for p in parts):  # bootstrap draws combined draw by draw
