@@ -172,7 +172,7 @@ def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
                       "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}"],
                      capture_output=True, text=True, cwd=REPO, env=clean_env(), timeout=120, check=False)
   assert r.returncode == 0, r.stderr
-  job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10", "--open-mode=append",
+  job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
                       f"--output={log}", "scripts/slurm_study.sbatch", plan, res, "--bytes_scale=0.0015",
                       "--iters=4", "--grace=60"], cwd=REPO, env=clean_env())
   deadline = time.monotonic() + 120
