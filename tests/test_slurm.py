@@ -111,21 +111,31 @@ def test_distributed_detects_slurm_under_srun(slurm, tmp_path):
 
 
 @needs_slurm
-def test_sbatch_templates_scale_up_and_scale_out(slurm, tmp_path):
-  """Both templates as written, with tiny sizes; 2 CPU devices stand in for a node's GPUs in scale-up."""
-  up = slurm.sbatch(["--gpus-per-node=2", f"--output={tmp_path}/up.out", "scripts/slurm_scale_up.sbatch", *TINY,
-                     "--topology=racks:1,nodes:1,gpus:2", f"--outdir={tmp_path}/up"],
-                    cwd=REPO, env=clean_env(JAX_NUM_CPU_DEVICES="2"), timeout=180)
-  out = slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1",
-                      f"--output={tmp_path}/out.out", "scripts/slurm_scale_out.sbatch", *TINY,
-                      f"--outdir={tmp_path}/out"], cwd=REPO, env=clean_env(), timeout=180)
-  for (job, state, code), name in ((up, "up"), (out, "out")):
-    assert (state, code) == ("COMPLETED", "0:0"), (job, state, open(tmp_path / f"{name}.out").read()[-3000:])
-  up_meta = json.load(open(tmp_path / "up" / "meta.json", encoding="utf-8"))
-  assert up_meta["process_count"] == 1 and up_meta["status"] == "finished"
-  out_meta = json.load(open(tmp_path / "out" / "meta.json", encoding="utf-8"))
-  assert out_meta["process_count"] == 4 and out_meta["topology"]["nodes"] == 2
-  assert "scale_out" in open(tmp_path / "out.out").read()
+def test_sbatch_templates(slurm, tmp_path):
+  """The scale-up, scale-out and rack-scale templates as written, with tiny sizes, submitted together (each asks
+  for whole nodes, so SLURM runs them as nodes free up); 2 CPU devices stand in for a node's GPUs in scale-up,
+  and the rack-scale sweep is told the testbed's racks (2 nodes each)."""
+  jobs = {
+      "up": slurm.submit(["--gpus-per-node=2", f"--output={tmp_path}/up.out", "scripts/slurm_scale_up.sbatch", *TINY,
+                          "--topology=racks:1,nodes:1,gpus:2", f"--outdir={tmp_path}/up"],
+                         cwd=REPO, env=clean_env(JAX_NUM_CPU_DEVICES="2")),
+      "out": slurm.submit(["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1",
+                           f"--output={tmp_path}/out.out", "scripts/slurm_scale_out.sbatch", *TINY,
+                           f"--outdir={tmp_path}/out"], cwd=REPO, env=clean_env()),
+      "rack": slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
+                            f"--output={tmp_path}/rack.out", "scripts/slurm_rack_scale.sbatch", *TINY,
+                            "--nodes_per_rack=2", f"--outdir={tmp_path}/rack"], cwd=REPO, env=clean_env()),
+  }
+  for name, job in jobs.items():
+    state, code = slurm.wait(job, timeout=240)
+    assert (state, code) == ("COMPLETED", "0:0"), (name, state, open(tmp_path / f"{name}.out").read()[-3000:])
+  meta = {name: json.load(open(tmp_path / name / "meta.json", encoding="utf-8")) for name in jobs}
+  assert meta["up"]["process_count"] == 1 and meta["up"]["status"] == "finished"
+  assert meta["out"]["process_count"] == 4 and meta["out"]["topology"]["nodes"] == 2
+  assert meta["rack"]["process_count"] == 4 and meta["rack"]["topology"]["racks"] == 2
+  assert [p["host"] for p in meta["rack"]["processes"]] == [slurm.bed.host_name(i) for i in range(4)]
+  scopes = {row["scope"] for row in records(str(tmp_path / "rack" / "results.jsonl")) if row.get("wrong") == 0}
+  assert {"rack_scale", "scale_out"} <= scopes, scopes  # global: the same group as scale_out here
 
 
 @needs_slurm
