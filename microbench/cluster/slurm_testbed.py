@@ -6,8 +6,8 @@ host 0's namespace (a head node that is also a compute node). Daemons share one 
 work folder (slurm.conf, topology.conf with one switch per rack under a core switch, gres.conf with fake GPU
 files), run as root in the foreground as children of this process, without cgroups (proctrack/linuxproc,
 task/none), and are killed by process id in `down`; removing the testbed afterwards kills whatever their
-steps left in the namespaces. munged runs in the root namespace: its socket is a file, reachable from every
-namespace.
+steps left in the namespaces. munged runs in host 0's namespace too (its socket is a file, reachable from every
+namespace), so after a crash `microbench-testbed down` removes every daemon with the namespaces.
 
 SLURM's clients (sbatch, srun, salloc, sinfo) must run inside a host's namespace, where the controller's
 address is reachable: `exec_argv` wraps a command, `env` points it at the configuration (SLURM_CONF).
@@ -180,9 +180,9 @@ class SlurmTestbed:
     try:
       self._write_config()
       w = self.work
-      self._start([_daemon("munged"), "--foreground", "--force", f"--socket={w}/munge.socket",
-                   f"--key-file={w}/munge.key", f"--pid-file={w}/munged.pid", f"--log-file={w}/log/munged.log",
-                   f"--seed-file={w}/munged.seed"], "munged.out")
+      self._start(self.exec_argv([_daemon("munged"), "--foreground", "--force", f"--socket={w}/munge.socket",
+                                  f"--key-file={w}/munge.key", f"--pid-file={w}/munged.pid",
+                                  f"--log-file={w}/log/munged.log", f"--seed-file={w}/munged.seed"]), "munged.out")
       self._wait(lambda: os.path.exists(f"{w}/munge.socket"), timeout, "munged did not create its socket")
       self._start(self.daemon_argv([_daemon("slurmctld"), "-D", "-i", "-f", self.conf], 0), "slurmctld.out")
       for i in range(self.bed.hosts):
