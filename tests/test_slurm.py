@@ -184,7 +184,7 @@ def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
   assert r.returncode == 0, r.stderr
   job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
                       f"--output={log}", "scripts/slurm_study.sbatch", plan, res, "--bytes_scale=0.0015",
-                      "--iters=4", "--grace=60"], cwd=REPO, env=clean_env())
+                      "--iters=4", "--grace=60", "--nobaselines"], cwd=REPO, env=clean_env())
   deadline = time.monotonic() + 120
   while not os.path.exists(os.path.join(res, "raw", "e000", "j1.0.jsonl")):  # the concurrent unit has started
     assert time.monotonic() < deadline and slurm.job_state(job)[0] in ("PENDING", "RUNNING"), log.read_text()
@@ -196,12 +196,11 @@ def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
   assert slurm.node_states()[slurm.bed.host_name(3)].startswith("down")
   first = log.read_text()
   assert "DUE TO NODE FAILURE" in first and "interrupted (SIGTERM)" in first, first[-3000:]
-  assert [u["status"] for u in records(os.path.join(res, "units.jsonl"))] == ["done"]  # the baseline only
+  assert not os.path.exists(os.path.join(res, "units.jsonl"))  # no unit finished
   slurm.restore_node(3)
   state, code = slurm.wait(job, timeout=240)
   second = log.read_text()[len(first):]
   assert (state, code) == ("COMPLETED", "0:0"), second[-3000:]
-  assert "1 unit(s) already done, 1 to run" in second
-  units = records(os.path.join(res, "units.jsonl"))
-  assert [(u["unit"], u["status"]) for u in units] == [("base-dp-vit-h-g2-intra-group", "done"), ("e000", "done")]
+  assert "0 unit(s) already done, 1 to run" in second
+  assert [(u["unit"], u["status"]) for u in records(os.path.join(res, "units.jsonl"))] == [("e000", "done")]
   assert any(name.startswith("e000.") for name in os.listdir(os.path.join(res, "aborted")))
