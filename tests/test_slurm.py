@@ -73,7 +73,7 @@ def slurm(tmp_path_factory):
     cluster.up()
     yield cluster
   finally:
-    pids = [p.pid for p in cluster._procs]  # pylint: disable=protected-access
+    pids = cluster.daemon_pids()
     cluster.down()
     bed.down()
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read()

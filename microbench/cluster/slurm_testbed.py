@@ -47,10 +47,6 @@ def _daemon(name: str) -> str:
   return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def hostlist(names: Sequence[str]) -> str:
-  return ",".join(names)
-
-
 def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cpus: int, gpus: int,
                slurmd_timeout: int = 30) -> str:
   """slurm.conf for the testbed: node i is host i's namespace name at its testbed address. A node whose slurmd
@@ -71,7 +67,7 @@ def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cp
       f"SlurmctldLogFile={os.path.join(work, 'log', 'slurmctld.log')}",
       f"SlurmdLogFile={os.path.join(work, 'log', 'slurmd-%n.log')}",
       "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
-      "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "LaunchParameters=use_interactive_step",
+      "AccountingStorageType=accounting_storage/none", "MpiDefault=none",
       "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "TopologyPlugin=topology/tree",
       "SchedulerType=sched/backfill", "JobRequeue=1", "SchedulerParameters=sched_interval=1",
       "SlurmdParameters=config_overrides",  # CPUs as configured, not as this machine has
@@ -84,7 +80,7 @@ def slurm_conf(bed: tbm.Testbed, work: str, ctld_port: int, slurmd_port: int, cp
     lines.append(f"NodeName={bed.host_name(i)} NodeAddr={bed.addr(i)} CPUs={cpus} RealMemory=1000{gres} "
                  "State=UNKNOWN")
   names = [bed.host_name(i) for i in range(bed.hosts)]
-  lines.append(f"PartitionName={PARTITION} Nodes={hostlist(names)} Default=YES MaxTime=INFINITE State=UP")
+  lines.append(f"PartitionName={PARTITION} Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP")
   return "\n".join(line for line in lines if line) + "\n"
 
 
@@ -93,7 +89,7 @@ def topology_conf(bed: tbm.Testbed) -> str:
   racks: dict[int, list[str]] = {}
   for i in range(bed.hosts):
     racks.setdefault(bed.rack_of(i), []).append(bed.host_name(i))
-  lines = [f"SwitchName=rack{r} Nodes={hostlist(nodes)}" for r, nodes in sorted(racks.items())]
+  lines = [f"SwitchName=rack{r} Nodes={','.join(nodes)}" for r, nodes in sorted(racks.items())]
   if len(racks) > 1:
     lines.append(f"SwitchName=core Switches={','.join(f'rack{r}' for r in sorted(racks))}")
   return "\n".join(lines) + "\n"
@@ -278,6 +274,10 @@ class SlurmTestbed:
     name = self.bed.host_name(host)
     self._start_slurmd(host)
     self._wait(lambda: self.node_states().get(name) in ("idle", "mix", "alloc"), timeout, f"{name} did not return")
+
+  def daemon_pids(self) -> list[int]:
+    """Process ids of the daemons started and not stopped by this object."""
+    return [p.pid for p in self._procs]
 
   def down(self) -> None:
     """Stops every daemon this object started (SIGTERM, SIGKILL after 5 s), in reverse order."""
