@@ -87,7 +87,7 @@ def test_a_job_inside_its_rack_is_unaffected_by_uplink_load():
 
 def test_the_mutation_a_model_without_sharing_fails_the_known_answer(monkeypatch):
   """The sigma 1.5 test is proven by the bug it catches: rates that ignore other flows give sigma 1."""
-  monkeypatch.setattr(fl, "max_min_rates", lambda paths, cap: {f: min(cap[x] for x in p) for f, p in paths.items()})
+  monkeypatch.setattr(fl, "path_rates", lambda counts, cap: {p: min(cap[x] for x in p) for p in counts})
   s = fj.sigma([_job("a", 1.0, ("up",), 1.0), _job("b", 1.0, ("up",), 1.0)], {"up": 1.0})
   assert s["a"]["sigma"] == pytest.approx(1.0)
 
@@ -224,3 +224,16 @@ def test_a_sweep_takes_its_link_peaks_from_the_fabric(tmp_path):
   assert meta["link_peaks"]["scale_up"] == {"gbps": 300.0, "link": "nvlink3", "source": "fabric dgx"}
   assert meta["link_peaks"]["scale_out"]["link"] == "ndr"  # the flag over the fabric's hdr
   assert meta["fabric"][0].startswith("dgx: 8 x A100")
+
+
+def test_one_communicators_collectives_run_in_order_not_side_by_side():
+  """NCCL runs a communicator's collectives one at a time: fifty started buckets do not take fifty shares of
+  a link from another job's one flow."""
+  cap = {"L": 1.0}
+  buckets = [fj.Collective(f"b{i}", (0,), ((("L",), 0.02),)) for i in range(50)]
+  dp = fj.Job("dp", {0: tuple(fj.Start(c, i) for i, c in enumerate(buckets)) + (fj.Wait(tuple(range(50))),)})
+  other = _job("other", 0.0, ("L",), 1.0)
+  s = fj.sigma([dp, other], cap)
+  assert s["other"]["sigma"] == pytest.approx(2.0) and s["dp"]["sigma"] == pytest.approx(2.0)
+  starts = fj.run([dp], cap, 2)["dp"]
+  assert starts == pytest.approx([1.0, 1.0])  # 50 x 0.02 in a row

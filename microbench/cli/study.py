@@ -21,7 +21,7 @@ from microbench.cli import cluster_flags, runner
 
 FLAGS = flags.FLAGS
 NAME = "microbench-study"
-MODES = ("plan", "run", "report", "proxy", "schedule")
+MODES = ("plan", "predict", "run", "report", "proxy", "schedule")
 
 # --- proxy / schedule
 flags.DEFINE_string("strategy", "dp", "proxy/schedule: dp, fsdp, dp+pp, dp+pp+tp or dp+pp+ep.")
@@ -331,6 +331,25 @@ def _run() -> int:
   return 1 if failed else 0
 
 
+def _predict() -> int:
+  from microbench.study import machines, predict, runner  # pylint: disable=g-import-not-at-top
+  if not FLAGS.plan or not FLAGS.out:
+    raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required (the folder `run` fills)")
+  try:
+    pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype)
+  except (runner.RunError, machines.MachineError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
+  path = predict.write(FLAGS.out, pred)
+  print("| experiment | job | key | alone (s) | in the mix (s) | sigma | link |")
+  print("|---|---|---|---|---|---|---|")
+  for eid, e in pred["experiments"].items():
+    for j in e["jobs"]:
+      print(f"| {eid} | {j['job']} | {j['key']} | {j['alone_s']:.4g} | {j['together_s']:.4g} | {j['sigma']:.3f} |"
+            f" {j['link'] or '-'} |")
+  say(f"predicted sigma for {len(pred['keys'])} key(s) -> {path}; `run --out={FLAGS.out}` measures them")
+  return 0
+
+
 def _report() -> int:
   from microbench.study import report, runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.results:
@@ -348,7 +367,8 @@ def main(argv: list[str]) -> int:
   if mode is None or args:
     raise app.UsageError(f"want one mode of {', '.join(MODES)} (got {argv[1:] or 'none'}); see --help")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report}[mode]()
+  return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report,
+          "predict": _predict}[mode]()
 
 
 def run() -> None:

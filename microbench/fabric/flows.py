@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 EPS = 1e-12
+TIME_EPS = 1e-9  # seconds: a flow this close to its end is done (float error must not add events)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,29 +25,38 @@ class Flow:
 
 def max_min_rates(paths: Mapping[str, Sequence[str]], capacity: Mapping[str, float]) -> dict[str, float]:
   """Max-min fair rate of each flow (name -> the links it crosses) on links of the given capacities."""
-  rates: dict[str, float] = {}
-  left = dict(capacity)
-  active = {f: tuple(p) for f, p in paths.items()}
-  for f, p in active.items():
+  bundles: dict[tuple[str, ...], list[str]] = {}  # flows with the same path get the same rate: solved once
+  for f, p in paths.items():
+    p = tuple(p)
+    if not p:
+      raise ValueError(f"flows cross no link (their rate is unbounded): {f}")
     missing = [x for x in p if x not in capacity]
     if missing:
       raise ValueError(f"flow {f} crosses links with no capacity: {', '.join(missing)}")
-  unconstrained = [f for f, p in active.items() if not p]
-  if unconstrained:
-    raise ValueError(f"flows cross no link (their rate is unbounded): {', '.join(unconstrained)}")
+    bundles.setdefault(p, []).append(f)
+  rate_of = path_rates({p: len(fs) for p, fs in bundles.items()}, capacity)
+  return {f: rate_of[p] for p, fs in bundles.items() for f in fs}
+
+
+def path_rates(counts: Mapping[tuple[str, ...], int], capacity: Mapping[str, float]) -> dict[tuple[str, ...], float]:
+  """Max-min fair rate of one flow on each path, `counts[path]` flows following it (progressive filling)."""
+  left = {x: capacity[x] for p in counts for x in p}
+  active = dict(counts)
+  rate_of: dict[tuple[str, ...], float] = {}
   while active:
-    users: dict[str, list[str]] = {}
-    for f, p in active.items():
+    users: dict[str, int] = {}
+    for p, count in active.items():
       for x in p:
-        users.setdefault(x, []).append(f)
-    # The link that saturates first at an equal increment for all its flows.
-    link = min(users, key=lambda x: left[x] / len(users[x]))
-    share = left[link] / len(users[link])
-    for f in users[link]:
-      rates[f] = share
-      for x in active.pop(f):
-        left[x] -= share
-  return rates
+        users[x] = users.get(x, 0) + count
+    # The link that saturates first when every flow still growing gets the same increment.
+    link = min(users, key=lambda x: left[x] / users[x])
+    share = left[link] / users[link]
+    for p in [p for p in active if link in p]:
+      rate_of[p] = share
+      for x in p:
+        left[x] -= share * active[p]
+      del active[p]
+  return rate_of
 
 
 def simulate(flows: Sequence[Flow], capacity: Mapping[str, float]) -> dict[str, float]:
@@ -72,7 +82,7 @@ def simulate(flows: Sequence[Flow], capacity: Mapping[str, float]) -> dict[str, 
     now += step
     for f in list(remaining):
       remaining[f] -= rates[f] * step
-      if remaining[f] <= EPS * max(1.0, rates[f]):
+      if remaining[f] <= rates[f] * TIME_EPS:
         done[f] = now
         del remaining[f], paths[f]
   return done

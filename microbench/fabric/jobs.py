@@ -2,7 +2,9 @@
 collectives' flows sharing links max-min fairly, iteration times and sigma.
 
 A job is a program per rank: compute (a fixed time that shares nothing), `Start` of a collective (it begins
-once every member has started it; its flows then share the links with every other flow in flight), `Wait`
+once every member has started it and its communicator's earlier collectives are done, as NCCL runs one
+communicator's collectives in order on one stream; its flows then share the links with every other flow
+in flight), `Wait`
 for started collectives, and `Blocking` (start, then wait). A collective ends when its last flow ends. Every
 rank repeats its program; the job's iteration ends when its slowest rank ends it (the study's throughput is
 the minimum over ranks). All jobs run until each has done `iterations`, so no job's last iterations run on
@@ -83,9 +85,11 @@ class _Rank:
 class _Call:
   members: frozenset
   flows: tuple[tuple[tuple[str, ...], float], ...]
+  comm: tuple  # (job, members): its communicator
   arrived: set = dataclasses.field(default_factory=set)
   live: set = dataclasses.field(default_factory=set)  # flow ids in flight
-  started: bool = False
+  queued: bool = False  # every member has called it
+  started: bool = False  # its communicator's earlier calls are done: its flows are in flight
   done: bool = False
 
 
@@ -111,6 +115,7 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
     _check_members(job)
   ranks = [_Rank(j, r, tuple(steps)) for j, job in enumerate(jobs) for r, steps in sorted(job.programs.items())]
   calls: dict[tuple, _Call] = {}
+  queues: dict[tuple, list[tuple]] = {}  # communicator -> its calls ready to run, the first one running
   left: dict[str, float] = {}
   paths: dict[str, tuple[str, ...]] = {}
   owner: dict[str, tuple] = {}
@@ -119,18 +124,39 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
   def call_id(st: _Rank, c: Collective) -> tuple:
     return (st.job, st.iteration, c.key)
 
+  def launch(cid: tuple) -> None:
+    """Puts a ready call's flows in flight; a call with none is done at once and the next one queued on its
+    communicator goes."""
+    call = calls[cid]
+    call.started = True
+    for i, (links, size) in enumerate(call.flows):
+      if size > 0:
+        fid = f"{cid}/{i}"
+        left[fid], paths[fid], owner[fid] = float(size), tuple(links), cid
+        per_path[paths[fid]] = per_path.get(paths[fid], 0) + 1
+        call.live.add(fid)
+    if not call.live:
+      finish(cid)
+
+  def finish(cid: tuple) -> None:
+    call = calls[cid]
+    call.done = True
+    queue = queues[call.comm]
+    queue.pop(0)
+    if queue:
+      launch(queue[0])
+
   def arrive(st: _Rank, c: Collective) -> tuple:
     cid = call_id(st, c)
-    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows))
+    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows, (st.job, c.members)))
     call.arrived.add(st.rank)
-    if not call.started and call.arrived >= call.members:
-      call.started = True
-      for i, (links, size) in enumerate(call.flows):
-        if size > 0:
-          fid = f"{cid}/{i}"
-          left[fid], paths[fid], owner[fid] = float(size), tuple(links), cid
-          call.live.add(fid)
-      call.done = not call.live
+    if not call.queued and call.arrived >= call.members:
+      # One communicator runs its collectives one at a time, in order (NCCL: one stream per communicator).
+      call.queued = True
+      queue = queues.setdefault(call.comm, [])
+      queue.append(cid)
+      if len(queue) == 1:
+        launch(cid)
     return cid
 
   def advance(st: _Rank) -> bool:
@@ -165,12 +191,31 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
       else:
         st.blocked_on = tuple(st.handles[h] for h in step.handles)
 
+  rates: dict[str, float] = {}
+  flows_at_rates: frozenset = frozenset()
+  per_path: dict[tuple[str, ...], int] = {}  # flows in flight per path, kept as they start and end
+  solved: dict[frozenset, dict[tuple[str, ...], float]] = {}  # iterations repeat: so do the flow mixes
+  for job in jobs:
+    for steps in job.programs.values():
+      for s in steps:
+        if isinstance(s, (Start, Blocking)):
+          for p, size in s.collective.flows:
+            if size > 0 and not p:
+              raise ModelError(f"job {job.name}: a flow of {s.collective.key} crosses no link (unbounded rate)")
+            if any(x not in capacity for x in p):
+              raise ModelError(f"job {job.name}: {s.collective.key} crosses links with no capacity:"
+                               f" {', '.join(x for x in p if x not in capacity)}")
   while not all(len(st.ends) >= iterations for st in ranks):
     while any([advance(st) for st in ranks]):
       pass
     if all(len(st.ends) >= iterations for st in ranks):
       break
-    rates = fl.max_min_rates(paths, capacity) if paths else {}
+    if flows_at_rates != paths.keys():  # rates change only when a flow starts or ends
+      mix = frozenset((p, c) for p, c in per_path.items() if c)
+      if mix not in solved:
+        solved[mix] = fl.path_rates(dict(mix), capacity)
+      rates = {f: solved[mix][p] for f, p in paths.items()}
+      flows_at_rates = frozenset(paths)
     candidates = [st.busy_until - now for st in ranks if st.busy_until is not None]
     candidates += [left[f] / rates[f] for f in left]
     if not candidates:
@@ -180,10 +225,12 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
     now += step
     for f in list(left):
       left[f] -= rates[f] * step
-      if left[f] <= fl.EPS * max(1.0, rates[f]):
+      if left[f] <= rates[f] * fl.TIME_EPS:  # within a nanosecond of done: done (no sliver events)
         call = calls[owner[f]]
         call.live.discard(f)
-        call.done = not call.live
+        if not call.live:
+          finish(owner[f])
+        per_path[paths[f]] -= 1
         del left[f], paths[f], owner[f]
   out: dict[str, list[float]] = {}
   for j, job in enumerate(jobs):

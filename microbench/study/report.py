@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from microbench.output import jsonl
 from microbench.output.tensorboard import TensorBoardLog
-from microbench.study import runner, stats
+from microbench.study import predict, runner, stats
 from microbench.study import workloads as wl
 
 BINS = ("low", "medium", "high")
@@ -106,7 +106,8 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 
 def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[float]],
-             scaling: dict[str, list[tuple[int, float]]], plots: list[str], note: str) -> str:
+             scaling: dict[str, list[tuple[int, float]]], plots: list[str], note: str,
+             predicted: dict | None = None) -> str:
   lines = ["# Multi-tenancy interference study", "",
            "sigma = geomean(baseline throughput) / median(concurrent throughput); > 1 means slower when "
            "sharing. CI: the 95% interval of sigma from the medians' Le Boudec intervals "
@@ -131,6 +132,27 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
     else:
       lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
                    "| | n/a | | | | | |")
+  if predicted:
+    lines += ["", "## Predicted against measured sigma", "",
+              "Predicted before the run by `microbench-study predict` (fabric model: flows share links max-min"
+              " fairly; assumptions below). error = (predicted - measured) / measured.", "",
+              "| strategy | model | GPUs | placement | measured sigma | predicted sigma | error |",
+              "|---|---|---|---|---|---|---|"]
+    errors = []
+    for k in keys.values():
+      p = predicted["keys"].get(runner.key_name(k.key))
+      if p is None:
+        continue
+      measured = k.sigma.sigma if k.sigma else None
+      err = None if measured is None else (p["sigma"] - measured) / measured
+      if err is not None:
+        errors.append(abs(err))
+      lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {_fmt(measured)} | {p['sigma']:.3f} |"
+                   f" {'n/a' if err is None else f'{100 * err:+.1f}%'} |")
+    if errors:
+      lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%,"
+                    f" worst {100 * max(errors):.1f}%."]
+    lines += [""] + [f"- assumed: {a}" for a in predicted.get("assumptions", [])]
   exps = [u for u in units.values() if u["kind"] == "concurrent"]
   if exps:
     lines += ["", "## Experiments", "", "| id | pattern | jobs | entropy | placement score | how it ended |",
@@ -270,14 +292,17 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
       pngs = plot(report_dir, keys, slow, cells, scaling)
     except ImportError:
       say("PNG plots need matplotlib: pip install -e '.[report]' (Markdown and TensorBoard written)")
-  md = markdown(keys, units, cells, scaling, pngs, note)
+  predicted = predict.read(out_dir)
+  md = markdown(keys, units, cells, scaling, pngs, note, predicted)
   with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
     f.write(md)
   table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
             "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
             "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
             **({"sigma": dict(dataclasses.asdict(k.sigma), has_interval=k.sigma.has_interval,
-                              excludes_one=k.sigma.excludes_one)} if k.sigma else {})} for k in keys.values()]
+                              excludes_one=k.sigma.excludes_one)} if k.sigma else {}),
+            **({"predicted": predicted["keys"][runner.key_name(k.key)]}
+               if predicted and runner.key_name(k.key) in predicted["keys"] else {})} for k in keys.values()]
   with open(os.path.join(report_dir, "sigma.json"), "w", encoding="utf-8") as f:
     json.dump(table, f, indent=1)
   tb = TensorBoardLog(os.path.join(report_dir, "tensorboard"), flush_each=False)

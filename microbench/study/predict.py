@@ -1,0 +1,199 @@
+"""Sigma predicted before the run: every job of a plan's experiments, from its proxy's per-iteration schedule
+mapped onto the links its placement uses, alone and beside the other jobs of its mix (fabric.jobs: flows
+share each link max-min fairly while they overlap in time).
+
+A collective becomes flows the way NCCL's ring moves it: all-reduce sends 2(n-1)/n S from each member to
+the next, all-gather and reduce-scatter (n-1)/n S, all-to-all S/n to every other member, a permute S from
+each source to its target. A flow crosses the source GPU's NVLink out and the target's in (same node), or
+the source node's NICs out, the leaf uplink and group links where it leaves them, and the target's way in.
+Levels without a rate (non-blocking) are left out of the path. The baseline of a matching key is its first
+job alone on that job's nodes, as `run` measures it.
+
+Written to RESULTS/predicted.json before the run (the folder `run` then fills); `report` puts it beside the
+measured sigma.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+
+from microbench.fabric import description as fd
+from microbench.fabric import jobs as fj
+from microbench.study import backends, runner, schedules
+from microbench.study import machines as mm
+
+PREDICTED = "predicted.json"
+ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Links:
+  """Link names and capacities (bytes/s) of a machine's fabric, and the path between two GPUs."""
+  machine: mm.Machine
+  fabric: fd.Fabric
+
+  def capacity(self) -> dict[str, float]:
+    m, f = self.machine, self.fabric
+    cap: dict[str, float] = {}
+    for n in range(m.nodes):
+      if f.scale_up_gbps and m.gpus_per_node > 1:
+        for g in range(m.gpus_per_node):
+          cap[f"gpu{n}.{g}:out"] = cap[f"gpu{n}.{g}:in"] = f.scale_up_gbps * 1e9
+      if f.nic_gbps:
+        cap[f"node{n}:out"] = cap[f"node{n}:in"] = f.nic_gbps * f.nics_per_node * 1e9
+    if f.leaf_up_gbps:
+      for leaf in m.l1s():
+        cap[f"leaf{leaf}:up"] = cap[f"leaf{leaf}:down"] = f.leaf_up_gbps * 1e9
+    if f.group_up_gbps:
+      for group in m.groups():
+        cap[f"group{group}:out"] = cap[f"group{group}:in"] = f.group_up_gbps * 1e9
+    cap["local"] = math.inf
+    return cap
+
+  def path(self, a: tuple[int, int], b: tuple[int, int]) -> tuple[str, ...]:
+    """The links a flow from (node, gpu) `a` to (node, gpu) `b` crosses, in order."""
+    m, f = self.machine, self.fabric
+    (na, ga), (nb, gb) = a, b
+    if na == nb:
+      if f.scale_up_gbps and m.gpus_per_node > 1:
+        return (f"gpu{na}.{ga}:out", f"gpu{nb}.{gb}:in")
+      return ("local",)
+    out = [f"node{na}:out"] if f.nic_gbps else []
+    if m.l1_of(na) != m.l1_of(nb) and f.leaf_up_gbps:
+      out.append(f"leaf{m.l1_of(na)}:up")
+    if m.group_of(na) != m.group_of(nb) and f.group_up_gbps:
+      out += [f"group{m.group_of(na)}:out", f"group{m.group_of(nb)}:in"]
+    if m.l1_of(na) != m.l1_of(nb) and f.leaf_up_gbps:
+      out.append(f"leaf{m.l1_of(nb)}:down")
+    if f.nic_gbps:
+      out.append(f"node{nb}:in")
+    return tuple(out) or ("local",)
+
+
+def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links,
+               element_bytes: int) -> tuple[tuple[tuple[str, ...], float], ...]:
+  """A collective's flows (links, bytes) as NCCL's ring (or direct sends) would move it."""
+  ranks = c.group.ranks
+  n = len(ranks)
+  size = c.elements * element_bytes
+  pairs: list[tuple[int, int, float]] = []
+  if c.op == "permute":
+    pairs = [(ranks[a], ranks[b], size) for a, b in c.pairs]
+  elif c.op == "all_to_all":
+    pairs = [(x, y, size / n) for x in ranks for y in ranks if x != y]
+  else:
+    share = (2 if c.op == "all_reduce" else 1) * (n - 1) / n * size
+    pairs = [(ranks[i], ranks[(i + 1) % n], share) for i in range(n)] if n > 1 else []
+  return tuple((links.path(where[a], where[b]), v) for a, b, v in pairs if v > 0)
+
+
+def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, element_bytes: int) -> fj.Job:
+  """The job's ranks as fabric.jobs programs on the nodes `job` places them on."""
+  nodes = backends.rank_nodes(job)
+  where = [(nodes[r], backends.rank_gpu(job, r)) for r in range(job["gpus"])]
+  programs = {}
+  for r, steps in enumerate(sched.ranks):
+    seen: dict[tuple, int] = {}
+    out: list[fj.Step] = []
+    for s in steps:
+      if isinstance(s, schedules.Compute):
+        out.append(fj.Compute(s.seconds))
+      elif isinstance(s, schedules.Wait):
+        out.append(fj.Wait(s.handles))
+      else:
+        c = s.comm
+        ident = (c.op, c.label, c.group.ranks, c.pairs)
+        seen[ident] = seen.get(ident, 0) + 1
+        coll = fj.Collective(f"{c.label}:{c.op}:{','.join(map(str, c.group.ranks))}:{seen[ident]}", c.group.ranks,
+                             comm_flows(c, where, links, element_bytes))
+        out.append(fj.Start(coll, s.handle) if isinstance(s, schedules.Start) else fj.Blocking(coll))
+    programs[r] = tuple(out)
+  return fj.Job(name, programs)
+
+
+def _schedule(job: dict, machine: mm.Machine, bytes_scale: float, compute_scale: float) -> schedules.JobSchedule:
+  if job.get("proxy_from"):
+    raise ValueError(f"job {job.get('name')}: predictions use the hand-written proxies; {job['proxy_from']} is"
+                     " derived from HLO at run time")
+  return schedules.build(job["strategy"], job["gpus"], machine.gpu, job["model"]).scaled(bytes_scale, compute_scale)
+
+
+def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, float]) -> str | None:
+  """Of the links the job's flows cross, the one the whole mix loads most per iteration (bytes / capacity)."""
+  load: dict[str, float] = {}
+  for j in (model, *others):
+    for steps in j.programs.values():
+      for s in steps:
+        if isinstance(s, (fj.Start, fj.Blocking)):
+          for path, size in s.collective.flows:
+            for x in path:
+              load[x] = load.get(x, 0.0) + size
+  mine = {x for steps in model.programs.values() for s in steps if isinstance(s, (fj.Start, fj.Blocking))
+          for path, _ in s.collective.flows for x in path if x != "local"}
+  return max(mine, key=lambda x: load[x] / capacity[x], default=None)
+
+
+def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0, dtype: str = "bfloat16",
+            iterations: int = 6) -> dict:
+  """Predicted iteration times alone and in the mix, sigma per job and per matching key."""
+  plan, experiments = runner.load_plan(plan_dir)
+  machine = mm.Machine.from_json(plan["machine"])
+  fab = mm.fabric_of(machine)
+  links = Links(machine, fab)
+  cap = links.capacity()
+  eb = ELEMENT_BYTES[dtype]
+  alone: dict[tuple, float] = {}
+  for e in experiments:
+    for job in e["jobs"]:
+      key = runner.key_of(job)
+      if key not in alone:  # the baseline: the key's first job alone on its nodes
+        model = job_model("base", _schedule(job, machine, bytes_scale, compute_scale), job, links, eb)
+        alone[key] = fj.steady(fj.run([model], cap, iterations)["base"])
+  out_exps = {}
+  per_key: dict[tuple, list[float]] = {}
+  for e in experiments:
+    models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb)
+              for j in e["jobs"]]
+    together = fj.run(models, cap, iterations)
+    rows = []
+    for j, model in zip(e["jobs"], models):
+      key = runner.key_of(j)
+      t = fj.steady(together[j["name"]])
+      per_key.setdefault(key, []).append(t)
+      rows.append({"job": j["name"], "key": runner.key_name(key), "alone_s": alone[key], "together_s": t,
+                   "sigma": t / alone[key], "link": dominant_link(model, [m for m in models if m is not model], cap)})
+    out_exps[e["id"]] = {"jobs": rows}
+  keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
+                               "alone_s": alone[k], "together_s_geomean": _geomean(v),
+                               "sigma": _geomean(v) / alone[k]} for k, v in per_key.items()}
+  return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
+              "a collective moves as NCCL's ring (all-to-all and permutes as direct sends); no latency term",
+              "the key's baseline is its first job alone on that job's nodes"],
+          "settings": {"bytes_scale": bytes_scale, "compute_scale": compute_scale, "dtype": dtype,
+                       "iterations": iterations},
+          "experiments": out_exps, "keys": keys}
+
+
+def _geomean(xs: Sequence[float]) -> float:
+  return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def write(out_dir: str, prediction: dict) -> str:
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, PREDICTED)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(prediction, f, indent=1)
+  os.replace(path + ".tmp", path)
+  return path
+
+
+def read(out_dir: str) -> dict | None:
+  path = os.path.join(out_dir, PREDICTED)
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)

@@ -1,0 +1,56 @@
+"""Sigma predicted before the run (study.predict on the fabric model), and the report putting it beside the
+measured sigma."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from microbench.study import predict, report
+from test_study_runner import FakeBackend, behave_by_kind, make_plan, run
+
+
+def test_jobs_sharing_an_uplink_are_predicted_to_slow_down_and_isolated_ones_not(tmp_path):
+  shared = make_plan(tmp_path / "a", [[("dp", None, [0, 2]), ("dp", None, [1, 3])]])  # racks 0 and 1, both jobs
+  isolated = make_plan(tmp_path / "b", [[("dp", None, [0, 2]), ("dp", None, [4, 6])]])  # racks 0-1 and 2-3
+  # Communication only: two equal jobs through one uplink pair take exactly twice as long.
+  comm_only = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0)
+  assert [j["sigma"] for j in comm_only["experiments"]["e000"]["jobs"]] == pytest.approx([2.0, 2.0])
+  assert {j["link"] for j in comm_only["experiments"]["e000"]["jobs"]} <= {"leaf0:up", "leaf1:down", "leaf0:down",
+                                                                          "leaf1:up"}
+  with_compute = predict.predict(shared, bytes_scale=0.005)
+  sig = with_compute["keys"]["dp-vit-h-g2-intra-group"]["sigma"]
+  assert 1.5 < sig < 2.0  # compute is not shared
+  apart = predict.predict(isolated, bytes_scale=0.005)
+  assert apart["keys"]["dp-vit-h-g2-intra-group"]["sigma"] == pytest.approx(1.0)
+
+
+def test_the_report_puts_predicted_beside_measured_sigma(tmp_path):
+  plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("fsdp", None, [1, 3])]])
+  out_dir = str(tmp_path / "res")
+  pred = predict.predict(plan, bytes_scale=0.001, compute_scale=0.1)
+  predict.write(out_dir, pred)  # before the run, into the folder it fills
+  _, s = run(tmp_path, plan, FakeBackend(behave_by_kind(conc={"j0": 50.0})), iters=12)
+  out = report.build(s.out_dir, plots=False, say=lambda m: None)
+  md = open(os.path.join(out["report_dir"], "report.md")).read()
+  assert "## Predicted against measured sigma" in md and "- assumed: " in md
+  section = md.split("## Predicted against measured sigma")[1]
+  row = next(line for line in section.splitlines() if line.startswith("| dp | vit-h | 4 | intra-group |"))
+  want = pred["keys"]["dp-vit-h-g4-intra-group"]["sigma"]
+  measured = out["keys"][("dp", "vit-h", 4, "intra-group")].sigma.sigma
+  assert f"{want:.3f}" in row and f"{100 * (want - measured) / measured:+.1f}%" in row
+  table = json.load(open(os.path.join(out["report_dir"], "sigma.json")))
+  assert {r["strategy"]: r["predicted"]["sigma"] for r in table}["dp"] == pytest.approx(want)
+
+
+def test_predict_needs_a_plan_and_an_output_folder(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={tmp_path}"],
+                     capture_output=True, text=True, check=False, timeout=120)
+  assert r.returncode != 0 and "--out=RESULTS_FOLDER are required" in r.stderr and "Traceback" not in r.stderr
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={tmp_path}",
+                      f"--out={tmp_path / 'r'}"], capture_output=True, text=True, check=False, timeout=120)
+  assert r.returncode != 0 and "cannot read the plan" in r.stderr and "Traceback" not in r.stderr
