@@ -20,7 +20,9 @@ from werkzeug import wrappers
 
 from conftest import run_cli
 from microbench.output import run_folder
-from microbench.output.train_log import HPARAM_METRICS, HPARAMS, HPARAMS_LEAD, SUMMARY_STEP, TrainLog, markdown_table
+from microbench.fabric import peaks as link_peaks
+from microbench.output.train_log import (HPARAM_METRIC_DESCRIPTIONS, HPARAM_METRICS, HPARAM_NAME_MAX, HPARAMS,
+                                         HPARAMS_LEAD, SUMMARY_STEP, TrainLog, markdown_table)
 from test_report import synthetic_records
 
 COLLECTIVES = ("all_reduce", "all_gather")
@@ -126,6 +128,18 @@ def test_sweep_text_says_what_the_step_is(logdir):
   text = provider.read_tensors(tb_request.RequestContext(), experiment_id="", plugin_name="text",
                                downsample=10)["sweep_a"]["x_axis"][0].numpy.item().decode()
   assert "10 x log2(bytes)" in text and "200 = 1 MiB" in text and "smoothing to 0" in text
+  # Rendered as TensorBoard's Text tab renders it: a step -> size grid, row = hundreds, column = the rest.
+  from tensorboard.plugin_util import markdown_to_safe_html
+  html = markdown_to_safe_html(text)
+  assert html.count("<table>") == 1 and html.count("<tr>") == 5  # header + steps 0, 100, 200, 300
+  rows = [r.split("</td>")[:-1] for r in html.split("<tr>")[2:]]
+  grid = {int(html_row[0].split("<strong>")[1].split("</strong>")[0]) + 10 * j: c.split(">")[-1]
+          for html_row in rows for j, c in enumerate(html_row[1:])}
+  assert grid[100] == "1 KiB" and grid[200] == "1 MiB" and grid[230] == "8 MiB" and grid[300] == "1 GiB"
+  assert grid[0] == "1 B" and grid[390] == "512 GiB" and len(grid) == 40
+  for step, size in grid.items():  # every cell agrees with the step the sweep writes
+    n, unit = size.split()
+    assert run_folder.size_step(int(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]) == step
 
 
 def test_custom_scalars_layout_charts_per_collective_and_per_scope(logdir):
@@ -134,7 +148,8 @@ def test_custom_scalars_layout_charts_per_collective_and_per_scope(logdir):
   plugin = custom_scalars_plugin.CustomScalarsPlugin(ctx)
   layout = json.loads(plugin.layout_impl(tb_request.RequestContext(), ""))
   cats = {c["title"]: c["chart"] for c in layout["category"]}
-  assert len(cats) == 2 * len(run_folder.METRICS)  # per collective and per scope; the runs' layouts merge
+  # Per collective and per scope; the runs' layouts merge. No run has a link peak: no "% of peak" charts.
+  assert len(cats) == 2 * (len(run_folder.METRICS) - 1)
   by_coll = cats["busbw (GB/s) " + run_folder._BY_COLLECTIVE]  # pylint: disable=protected-access
   by_scope = cats["time (us) " + run_folder._BY_SCOPE]  # pylint: disable=protected-access
   assert [c["title"] for c in by_coll] == ["all_reduce: busbw (GB/s)", "all_gather: busbw (GB/s)"]
@@ -146,6 +161,41 @@ def test_custom_scalars_layout_charts_per_collective_and_per_scope(logdir):
   lines = plugin.scalars_impl(tb_request.RequestContext(), "sweep_b", by_scope[1]["multiline"]["tag"][0], "")
   assert set(lines[custom_scalars_plugin._TAG_TO_EVENTS_PROPERTY]) == {  # pylint: disable=protected-access
       "time_us/all_reduce/scale_out/float32", "time_us/all_gather/scale_out/float32"}
+
+
+def _layout_charts(logdir: str) -> dict[str, list[str]]:
+  """Category title -> chart titles, as the Custom Scalars tab gets them (every run's last layout, merged)."""
+  ctx, _ = tensorboard(logdir)
+  layout = json.loads(custom_scalars_plugin.CustomScalarsPlugin(ctx).layout_impl(tb_request.RequestContext(), ""))
+  return {c["title"]: [ch["title"] for ch in c["chart"]] for c in layout.get("category", [])}
+
+
+def test_custom_scalars_show_peak_charts_only_where_a_peak_is_known(logdir, tmp_path):
+  """Sweeps without a link peak (every CPU run) get no "busbw % of peak" charts (they were empty charts in
+  the default view); a sweep with peaks for some scopes gets those charts for the collectives and scopes that
+  have one, although its layout is written before any point is measured."""
+  pct_coll = "busbw % of peak " + run_folder._BY_COLLECTIVE  # pylint: disable=protected-access
+  pct_scope = "busbw % of peak " + run_folder._BY_SCOPE  # pylint: disable=protected-access
+  cats = _layout_charts(logdir)
+  assert not any("% of peak" in t for t in cats) and len(cats) == 4, list(cats)
+  recs = synthetic_records(20.0, 40.0, sizes=[1024, 4096])
+  for r in recs:
+    if r["scope"] == "scale_up":  # a known NVLink-like peak for scale_up only, none for scale_out
+      r.update(link_peaks.share(r["busbw_gbps"], 100.0))
+  write_sweep(str(tmp_path / "gpu"), recs)
+  cats = _layout_charts(str(tmp_path))
+  assert cats[pct_coll] == ["all_reduce: busbw % of peak", "all_gather: busbw % of peak"]
+  assert cats[pct_scope] == ["scale_up: busbw % of peak"]  # scale_out has no peak: no chart
+  assert cats["busbw (GB/s) " + run_folder._BY_SCOPE] == [  # pylint: disable=protected-access
+      "scale_up: busbw (GB/s)", "scale_out: busbw (GB/s)"]
+  # A resumed run knows its earlier points' peaks before measuring anything.
+  out = run_folder.RunOutputs(str(tmp_path / "gpu"), stream=open(os.devnull, "w"))
+  out.layout(COLLECTIVES, SCOPES)
+  out.close()
+  assert _layout_charts(str(tmp_path))[pct_scope] == ["scale_up: busbw % of peak"]
+  # Next to a CPU run the merged view keeps the GPU run's charts and adds no empty ones.
+  write_sweep(str(tmp_path / "cpu"), synthetic_records(10.0, 80.0, sizes=[1024, 4096]))
+  assert _layout_charts(str(tmp_path))[pct_scope] == ["scale_up: busbw % of peak"]
 
 
 def _hparams_post(ctx, route: str, body: dict) -> dict:
@@ -163,6 +213,11 @@ def test_training_runs_are_hparams_sessions_with_summary_metrics(logdir):
   assert set(names) == set(HPARAMS)
   assert names[:5] == sorted(HPARAMS_LEAD)  # the strategy columns first: TensorBoard shows the first few
   assert {m["name"]["tag"] for m in exp["metricInfos"]} == set(HPARAM_METRICS)
+  # Short column names (long ones overlapped in parallel coordinates at 1600 px); the meaning is the description.
+  for m in exp["metricInfos"]:
+    assert len(m["displayName"]) <= HPARAM_NAME_MAX, m["displayName"]
+    assert m["description"] == HPARAM_METRIC_DESCRIPTIONS[m["name"]["tag"]]
+  assert "tokens/s" in HPARAM_METRIC_DESCRIPTIONS["summary/items_per_s_per_device"]
   cols = [{"hparam": h, "includeInResult": True} for h in HPARAMS] + [
       {"metric": {"tag": t, "group": ""}, "includeInResult": True} for t in HPARAM_METRICS]
   groups = _hparams_post(ctx, "/session_groups", {"experimentName": "", "startIndex": 0, "sliceSize": 100,

@@ -25,15 +25,33 @@ CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count",
             "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "wrong", "status", "reason")
 
 
+def _size_name(nbytes: int) -> str:
+  for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    if nbytes >= 1 << shift:
+      return f"{nbytes >> shift} {unit}"
+  return f"{nbytes} B"
+
+
+def _size_step_text() -> str:
+  """The run's `x_axis` text: the rule in one sentence, then every power of two as a table (row = the step's
+  hundreds, column = the rest), which TensorBoard's Text tab renders as a grid."""
+  head = "| step | " + " | ".join(f"+{d}" for d in range(0, 100, 10)) + " |"
+  rows = [f"| **{h}** | " + " | ".join(_size_name(1 << (h + d) // 10) for d in range(0, 100, 10)) + " |"
+          for h in (0, 100, 200, 300)]
+  return ("Collective sweeps put each size at **step = round(10 x log2(bytes))**: every doubling is 10 steps,"
+          " so 200 = 1 MiB and 230 = 8 MiB. Sizes between powers of two fall between (216 = 3 MiB); exact sizes"
+          " are in results.jsonl.\n\n" + head + "\n|---|" + "---|" * 10 + "\n" + "\n".join(rows) +
+          "\n\nSet smoothing to 0: a size sweep is not a noisy time series.")
+
+
 # TensorBoard's x axis is the step, linear: with bytes as the step every size below the last few is crushed
 # against zero. The step is ten times log2 of the size, so every doubling is 10 steps (sweeps with a step
 # factor down to 1.07 keep distinct steps) and the exact bytes stay in the records.
-SIZE_STEP_TEXT = ("Collective sweeps use **step = round(10 x log2(bytes))**: 100 = 1 KiB, 110 = 2 KiB, 150 = 32 KiB,"
-                  " 200 = 1 MiB, 240 = 16 MiB, 300 = 1 GiB. Exact sizes are in results.jsonl. Set smoothing to 0:"
-                  " a size sweep is not a noisy time series.")
+SIZE_STEP_TEXT = _size_step_text()
 _BY_COLLECTIVE = "per collective: a line per scope/dtype; step = 10 log2(bytes)"
 _BY_SCOPE = "per scope: a line per collective/dtype; step = 10 log2(bytes)"
 METRICS = (("busbw_gbps", "busbw (GB/s)"), ("time_us", "time (us)"), ("busbw_pct_of_peak", "busbw % of peak"))
+PEAK_ONLY = ("busbw_pct_of_peak",)  # written only where the record's link peak is known
 
 
 # Consecutive sizes a factor f apart are 10 x log2(f) steps apart: below 2^0.1 two sizes could round to one step.
@@ -55,15 +73,31 @@ def size_step(nbytes: int) -> int:
   return round(10 * math.log2(nbytes))
 
 
-def sweep_layout(collectives: Sequence[str], scopes: Sequence[str]) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+def sweep_layout(collectives: Sequence[str], scopes: Sequence[str],
+                 peaked: Sequence[tuple[str, str]] = ()) -> list[tuple[str, list[tuple[str, list[str]]]]]:
   """Custom Scalars: per metric, one chart per collective (a line per scope and dtype) and one chart per scope
-  (a line per collective and dtype). Titles are the same in every run, so TensorBoard merges runs' charts."""
+  (a line per collective and dtype). Titles are the same in every run, so TensorBoard merges runs' charts.
+
+  `busbw % of peak` only exists where a record's link peak is known: its charts are drawn only for the
+  collectives and scopes of `peaked` ((collective, scope) pairs with a known peak), and its categories not
+  at all when none is (every CPU run), so the default view has no empty charts."""
+  have_c, have_s = {c for c, _ in peaked}, {s for _, s in peaked}
   cats = []
   for tag, name in METRICS:
-    cats.append((f"{name} {_BY_COLLECTIVE}", [(f"{c}: {name}", [f"^{tag}/{c}/"]) for c in collectives]))
+    charts = [(f"{c}: {name}", [f"^{tag}/{c}/"]) for c in collectives if tag not in PEAK_ONLY or c in have_c]
+    if charts:
+      cats.append((f"{name} {_BY_COLLECTIVE}", charts))
   for tag, name in METRICS:
-    cats.append((f"{name} {_BY_SCOPE}", [(f"{s}: {name}", [f"^{tag}/[^/]+/{s}/"]) for s in scopes]))
+    charts = [(f"{s}: {name}", [f"^{tag}/[^/]+/{s}/"]) for s in scopes if tag not in PEAK_ONLY or s in have_s]
+    if charts:
+      cats.append((f"{name} {_BY_SCOPE}", charts))
   return cats
+
+
+def peaked_series(records: Sequence[dict[str, Any]]) -> set[tuple[str, str]]:
+  """(collective, scope) of the measured records whose busbw has a known link peak."""
+  return {(r["collective"], r["scope"]) for r in records
+          if r.get("status") == "ok" and r.get("busbw_pct_of_peak") is not None}
 
 
 def point_key(rec: dict[str, Any]) -> tuple:
@@ -149,6 +183,8 @@ class RunOutputs:
       self._csv_columns: list[str] | None = None  # the CSV's header as written (None: not written yet)
       self._results = open(os.path.join(outdir, RESULTS), "a")
       self._tb = TensorBoardLog(outdir)
+    self._layout_of: tuple[list[str], list[str]] | None = None  # (collectives, scopes) once layout() ran
+    self._peaked: set[tuple[str, str]] = set()
 
   def print(self, text: str = "") -> None:
     if self.enabled:
@@ -167,9 +203,13 @@ class RunOutputs:
       self._tb.text(tag, text)
 
   def layout(self, collectives: Sequence[str], scopes: Sequence[str]) -> None:
-    """The Custom Scalars layout of this sweep and the x axis explained (the run's `x_axis` text)."""
+    """The Custom Scalars layout of this sweep and the x axis explained (the run's `x_axis` text). The layout
+    is written again (at the step of the record that brings it) when a point's link peak first makes a
+    `busbw % of peak` chart non-empty; TensorBoard reads a tag's last value, so it shows the newest layout."""
     if self._tb:
-      self._tb.custom_scalars(sweep_layout(collectives, scopes))
+      self._layout_of = (list(collectives), list(scopes))
+      self._peaked = peaked_series(self._rows)  # a resumed run's earlier points count
+      self._tb.custom_scalars(sweep_layout(collectives, scopes, sorted(self._peaked)))
       self._tb.text("x_axis", SIZE_STEP_TEXT)
 
   def record(self, rec: dict[str, Any]) -> None:
@@ -189,6 +229,18 @@ class RunOutputs:
         values["time_spread"] = rec["time_us_max"] / rec["time_us_min"]
       for tag, v in values.items():
         self._scalar(tag, base, v, step)
+      self._grow_layout(rec, step)
+
+  def _grow_layout(self, rec: dict[str, Any], step: int) -> None:
+    """After the record's points (so the layout's step is not behind them, which TensorBoard would read as a
+    restart): the layout again if this record is the first with a peak for its collective or scope."""
+    if self._layout_of is None or rec.get("busbw_pct_of_peak") is None:
+      return
+    key = (rec["collective"], rec["scope"])
+    known_c, known_s = {c for c, _ in self._peaked}, {s for _, s in self._peaked}
+    self._peaked.add(key)
+    if key[0] not in known_c or key[1] not in known_s:
+      self._tb.custom_scalars(sweep_layout(*self._layout_of, sorted(self._peaked)), step=step)
 
   def _scalar(self, tag: str, base: str, value: float, step: int) -> None:
     desc = DESCRIPTIONS.get(tag, dict(METRICS).get(tag, tag)) + " " + STEP_NOTE

@@ -68,9 +68,9 @@ class TensorBoardLog:
     img = summary_pb2.Summary.Image(height=height, width=width, colorspace=4, encoded_image_string=png)
     self._add(summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, image=img)]), step)
 
-  def custom_scalars(self, categories: Sequence[Category]) -> None:
+  def custom_scalars(self, categories: Sequence[Category], step: int = 0) -> None:
     """The Custom Scalars tab's layout: categories of charts, each chart one line per tag matching its
-    regexes. TensorBoard merges the layouts of all runs (categories and charts by title)."""
+    regexes. TensorBoard merges the layouts of all runs (categories and charts by title), each run's last one."""
     layout = layout_pb2.Layout(category=[
         layout_pb2.Category(title=title, chart=[
             layout_pb2.Chart(title=chart, multiline=layout_pb2.MultilineChartContent(tag=list(tags)))
@@ -78,18 +78,20 @@ class TensorBoardLog:
     value = summary_pb2.Summary.Value(tag=cs_metadata.CONFIG_SUMMARY_TAG,
                                       metadata=cs_metadata.create_summary_metadata(),
                                       tensor=_string_tensor(layout.SerializeToString()))
-    self._add(summary_pb2.Summary(value=[value]), 0)
+    self._add(summary_pb2.Summary(value=[value]), step)
 
   def hparams_experiment(self, hparams: Mapping[str, str], metrics: Mapping[str, str],
-                         lead: Sequence[str] = ()) -> None:
+                         lead: Sequence[str] = (), descriptions: Mapping[str, str] | None = None) -> None:
     """The HParams tab's columns: hyperparameter names with their type ('number', 'bool' or 'string') and metric
     tags with display names. Every run writes the same experiment, so whichever TensorBoard reads agrees.
 
     TensorBoard lists hyperparameters marked as differing first (then by name) and shows only the first
-    few: `lead` names the ones a comparison is about, so they are the columns a reader sees."""
+    few: `lead` names the ones a comparison is about, so they are the columns a reader sees. `descriptions`:
+    metric tag -> what the column means (its display name can then be short)."""
     types = {"number": api_pb2.DATA_TYPE_FLOAT64, "bool": api_pb2.DATA_TYPE_BOOL, "string": api_pb2.DATA_TYPE_STRING}
     infos = [api_pb2.HParamInfo(name=name, type=types[kind], differs=name in lead) for name, kind in hparams.items()]
-    metric_infos = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name)
+    metric_infos = [api_pb2.MetricInfo(name=api_pb2.MetricName(tag=tag), display_name=name,
+                                       description=(descriptions or {}).get(tag, ""))
                     for tag, name in metrics.items()]
     data = plugin_data_pb2.HParamsPluginData(experiment=api_pb2.Experiment(hparam_infos=infos,
                                                                            metric_infos=metric_infos))

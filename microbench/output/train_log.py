@@ -31,11 +31,27 @@ HPARAMS_LEAD = ("model", "size", "parallelism", "placement", "devices")  # the c
 # only runs with a known peak (MFU), would empty the view for the rest. Throughput is one column whatever the
 # item (`summary/items_per_s_per_device`: tokens or images); the other summary figures (MFU, bubble, all-to-all
 # share, bytes per collective) stay scalars under `summary/` in the Scalars tab.
+#
+# Display names are short (at most HPARAM_NAME_MAX characters): parallel coordinates give each axis about
+# 110 px at a 1600 px window, and longer titles ran into their neighbours'. What each means is its
+# description (HParams shows it on hovering the column's name); the tags stay as they were.
 HPARAM_METRICS = {
-    "summary/median_step_time_s": "step time (s)", "summary/items_per_s_per_device": "tokens or images /s per device",
-    "summary/items_per_s": "tokens or images /s", "summary/tflops_per_device": "TFLOP/s per device",
-    "summary/memory_per_device_bytes": "memory per device (bytes)", "summary/final_loss": "final loss",
-    "summary/compile_time_s": "compile time (s)",
+    "summary/median_step_time_s": "step time (s)", "summary/items_per_s_per_device": "items/s/dev",
+    "summary/items_per_s": "items/s", "summary/tflops_per_device": "TFLOP/s/dev",
+    "summary/memory_per_device_bytes": "mem/dev (B)", "summary/final_loss": "final loss",
+    "summary/compile_time_s": "compile (s)",
+}
+HPARAM_NAME_MAX = 13
+HPARAM_METRIC_DESCRIPTIONS = {
+    "summary/median_step_time_s": "Median time per training step (s).",
+    "summary/items_per_s_per_device": "Throughput per device: tokens/s for language models, images/s for image"
+                                      " models.",
+    "summary/items_per_s": "Throughput of the whole run: tokens/s for language models, images/s for image models.",
+    "summary/tflops_per_device": "Model TFLOP/s per device (MFU, where the device's peak is known, is the scalar"
+                                 " summary/mfu).",
+    "summary/memory_per_device_bytes": "Memory per device (bytes).",
+    "summary/final_loss": "Training loss at the last step.",
+    "summary/compile_time_s": "Compile time (s).",
 }
 # Measured shares and the flag saying whether their 95% interval resolves them (microbench.train.overheads).
 RESOLVED_FLAGS = {"bubble_measured": "bubble_resolved", "all_to_all_share": "all_to_all_resolved"}
@@ -102,7 +118,7 @@ class TrainLog:
   def hparams(self, config: dict[str, Any]) -> None:
     """The run as an HParams session: the configuration's values (those set) as hyperparameters."""
     if self._tb:
-      self._tb.hparams_experiment(HPARAMS, HPARAM_METRICS, HPARAMS_LEAD)
+      self._tb.hparams_experiment(HPARAMS, HPARAM_METRICS, HPARAMS_LEAD, HPARAM_METRIC_DESCRIPTIONS)
       self._tb.hparams_session_start({k: config[k] for k in HPARAMS if config.get(k) is not None})
 
   def summary(self, summary: dict[str, Any]) -> None:
