@@ -102,6 +102,23 @@ def test_an_unweighted_fit_would_miss_the_latency():
   assert abs(alpha / 25.0 - 1) > 0.5
 
 
+def test_the_fit_does_not_let_many_small_sizes_outvote_the_largest():
+  """A CPU-like series: 14 latency-bound sizes, then a bandwidth that drops at the largest sizes (caches). A
+  least-squares fit on relative error (the old fit, planted here) misses the largest point by > 25%; the
+  fit passes through it, and the shape mismatch is flagged instead of hidden."""
+  s = np.array([2.0**k for k in range(10, 28)])
+  t = 50.0 + s / np.where(s < 2**24, 4e3, 1.5e3)
+  a_mat = np.stack([1.0 / t, s / t], axis=1)
+  (alpha_old, b_old), *_ = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)
+  assert abs((alpha_old + s[-1] * b_old) / t[-1] - 1) > 0.25
+  alpha, beta, method = alpha_beta.fit_points(s, t)
+  assert alpha + s[-1] / (beta * 1e3) == pytest.approx(t[-1], rel=1e-9) and "largest point" in method
+  recs = [dict(r, time_us=float(x)) for r, x in zip(synthetic_records(
+      50.0, 4.0, sizes=[int(x) for x in s], collectives=("all_reduce",), scopes=(("scale_up", 4),)), t)]
+  fit = alpha_beta.fit_run(recs)[0]
+  assert fit.poor() and "worst point off" in fit.poor()
+
+
 def test_fit_edge_cases_are_labelled():
   flat = alpha_beta.fit_points([1024, 4096, 16384], [10.0, 10.0, 10.0])
   assert flat[1] is None and flat[0] == pytest.approx(10.0) and "latency only" in flat[2]
