@@ -237,3 +237,46 @@ def test_one_communicators_collectives_run_in_order_not_side_by_side():
   assert s["other"]["sigma"] == pytest.approx(2.0) and s["dp"]["sigma"] == pytest.approx(2.0)
   starts = fj.run([dp], cap, 2)["dp"]
   assert starts == pytest.approx([1.0, 1.0])  # 50 x 0.02 in a row
+
+
+# Levels fitted from a sweep.
+def _fit(scope, n, beta, alpha, coll="all_reduce", poor=False):
+  from microbench.report import alpha_beta  # pylint: disable=g-import-not-at-top
+  steps = alpha_beta.ring_steps(coll, n)
+  return alpha_beta.Fit(coll, scope, "float32", n, 5, 1 << 20, 16 << 20, alpha, beta, "test", 0.99 if not poor else 0.5,
+                        0.01, 0.02 if not poor else 0.5, 1.0, beta, steps, alpha / steps)
+
+
+def test_a_sweeps_fits_replace_the_levels_its_scopes_crossed():
+  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
+  meta = {"topology": {"racks": 2, "nodes": 2, "gpus": 1},
+          "scopes": {"scale_out": {"axes": ["rack", "node"]}, "rack_scale": {"axes": ["node", "gpu"]},
+                     "scale_up": {"axes": ["gpu"]}}}
+  assert fabric_fit.level_of("scale_out", meta) == "leaf_up"
+  assert fabric_fit.level_of("scale_out", dict(meta, topology={"racks": 1, "nodes": 4, "gpus": 1})) == "nic"
+  assert fabric_fit.level_of("scale_up", meta) is None  # one GPU per node: nothing measured there
+  one_rack = dict(meta, topology={"racks": 1, "nodes": 2, "gpus": 1})
+  fab, notes = fabric_fit.fit_levels(_two_racks(), [_fit("scale_out", 2, 0.04, 500.0),
+                                                    _fit("scale_out", 2, 9.0, 1.0, poor=True)], one_rack)
+  assert fab.nic_gbps == 0.04 and fab.net_hop_us == pytest.approx(250.0) and fab.fitted_levels == ("nic",)
+  assert any("poor fit not used" in n for n in notes)
+  p = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2, 2), "ring")  # 4 ranks over 2 racks
+  assert p.time_us == pytest.approx(6 * 250.0 + 2 * 0.75 * 1e6 / 0.04e3)  # 2(n-1) fitted hops, fitted rate
+  assert p.bottleneck == "nic"  # the fitted 0.04 GB/s hosts, below the 0.25 GB/s uplink
+
+
+def test_report_fits_the_fabric_from_a_run_folder(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from microbench.report import alpha_beta  # pylint: disable=g-import-not-at-top
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "meta.json").write_text(json.dumps({"topology": {"racks": 1, "nodes": 2, "gpus": 1},
+                                             "scopes": {"scale_out": {"axes": ["rack", "node"]}}}))
+  alpha_beta.write_model(str(run), [_fit("scale_out", 2, 0.5, 100.0)])
+  r = _report("--fabric=testbed:racks=1,hosts_per_rack=4", f"--fit_from={run}", "--shapes=1x4", "--predict=1M")
+  assert r.returncode == 0, r.stderr
+  assert "# nic fitted from all_reduce over scale_out (2 ranks, float32): 0.5 GB/s, hop 50 us" in r.stdout
+  row = next(line for line in r.stdout.splitlines() if line.startswith("| all_reduce"))
+  assert f"| {6 * 50 + 1.5 * (1 << 20) / 0.5e3:.4g} |" in row
+  bad = _report("--fabric=testbed", f"--fit_from={tmp_path}", "--shapes=1x4", "--predict=1M")
+  assert bad.returncode != 0 and "no meta.json there" in bad.stderr

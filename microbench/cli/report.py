@@ -24,6 +24,8 @@ flags.DEFINE_string("fabric", None, "Predict on a described fabric instead of fr
 flags.DEFINE_list("gpus", [], "With --fabric: group sizes, ranks filling nodes, leaves and groups in order.")
 flags.DEFINE_list("shapes", [], "With --fabric: group shapes RANKS_PER_DOMAINxDOMAINS_PER_LEAFxLEAVES_PER_GROUPx"
                   "GROUPS (e.g. 4x2: two nodes of one leaf).")
+flags.DEFINE_string("fit_from", None, "With --fabric: a run folder whose alpha-beta fits replace the rate and hop"
+                    " latency of the levels its scopes measured (model.json and meta.json).")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
@@ -42,6 +44,23 @@ def _sizes(texts: list[str]) -> list[int]:
   return out
 
 
+def _fit_from(fab, run_dir: str):
+  """The fabric with the levels `run_dir`'s sweep measured fitted (UsageError when it holds no sweep)."""
+  from microbench.output import run_folder  # pylint: disable=g-import-not-at-top
+  from microbench.report import alpha_beta, fabric_fit  # pylint: disable=g-import-not-at-top
+  meta = run_folder.read_meta(run_dir)
+  if not meta:
+    raise app.UsageError(f"--fit_from={run_dir}: no meta.json there (not a sweep's run folder)")
+  fits = alpha_beta.read_model(run_dir)
+  if fits is None:
+    fits = alpha_beta.fit_run(run_folder.read_results(run_dir))
+  fab, notes = fabric_fit.fit_levels(fab, fits, meta)
+  if not any("fitted from" in n for n in notes):
+    raise app.UsageError(f"--fit_from={run_dir}: no series there measures a level of the fabric with a good"
+                         " all-reduce, all-gather or reduce-scatter fit")
+  return fab, notes
+
+
 def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
   """`--fabric`: predictions from the fabric's description alone (no run folder is read)."""
   from microbench.fabric import collectives as fc  # pylint: disable=g-import-not-at-top
@@ -54,6 +73,9 @@ def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
                          " microbench-report --fabric=leonardo --gpus=8,64 --predict=1M,1G")
   try:
     fab = fd.parse(FLAGS.fabric)
+    notes: list[str] = []
+    if FLAGS.fit_from:
+      fab, notes = _fit_from(fab, FLAGS.fit_from)
     shapes = [fc.Shape.parse(s) for s in FLAGS.shapes]
     for g in FLAGS.gpus:
       if not g.strip().isdigit() or int(g) < 1:
@@ -63,7 +85,7 @@ def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
     assumed = fabric_tables.assumptions(fab, FLAGS.fabric_collectives, shapes, predict[0], FLAGS.algorithm)
   except fd.FabricError as e:
     raise app.UsageError(str(e)) from None
-  print("\n".join(f"# {line}" for line in fab.describe()))
+  print("\n".join(f"# {line}" for line in fab.describe() + notes))
   print(tables.markdown(fabric_tables.HEADERS, rows))
   print("\n".join(f"# assumed: {a}" for a in assumed if f"assumed: {a}" not in fab.describe()))
   return 0

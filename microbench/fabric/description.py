@@ -84,14 +84,15 @@ class Fabric:
     return self.scale_up_hop_us if level == "scale_up" else self.net_hop_us
 
   def fitted(self, level: str, gbps: float | None = None, hop_us: float | None = None) -> Fabric:
-    """This fabric with one level's rate (per unit, per direction) and hop latency taken from a fit."""
+    """This fabric with one level's rate and hop latency taken from a fit: scale_up per GPU, nic per NIC,
+    leaf_up and group_up per switch, all per direction."""
     if level not in LEVELS:
       raise FabricError(f"unknown level {level!r}; levels: {', '.join(LEVELS)}")
     change: dict = {}
     if gbps is not None:
       key = {"scale_up": "scale_up_gbps", "leaf_up": "leaf_up_gbps", "group_up": "group_up_gbps"}.get(level)
       if level == "nic":
-        change["nic_gbps"] = gbps / self.nics_per_domain  # a fit sees the domain's total
+        change["nic_gbps"] = gbps  # per NIC: a sweep's scale_out scope is one rail (one GPU, one NIC per node)
       else:
         change[key] = gbps
     if hop_us is not None:

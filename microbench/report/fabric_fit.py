@@ -1,0 +1,57 @@
+"""A fabric's levels fitted from a sweep: each series' alpha-beta fit turned into the rate and hop latency of
+the level its groups cross, so predictions for other group shapes start from what this machine measured.
+
+Which level a scope measures comes from the run's meta.json: groups inside a node (`gpu` axis) measure
+scale_up; groups across nodes of one rack measure the NICs (scale_out is one rail: one GPU and one NIC per
+node); groups across racks measure the leaf uplinks. The rate is the fit's asymptotic busbw (a ring's busbw
+is the slowest link it crosses), the hop latency the fit's alpha over the ring's steps. All-reduce fits are
+preferred (the collective every model is about); a level no series measured keeps its described rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from microbench.fabric.description import Fabric
+from microbench.report.alpha_beta import Fit
+
+PREFERRED = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def level_of(scope: str, meta: dict) -> str | None:
+  """The fabric level a scope's groups cross last (the one its ring's busbw measures)."""
+  info = (meta.get("scopes") or {}).get(scope) or {}
+  axes = set(info.get("axes") or ())
+  topo = meta.get("topology") or {}
+  if not axes or info.get("skipped"):
+    return None
+  if "rack" in axes and topo.get("racks", 1) > 1:
+    return "leaf_up"
+  if "node" in axes and topo.get("nodes", 1) > 1:
+    return "nic" if axes != {"node", "gpu"} or topo.get("gpus", 1) == 1 else None  # rack_scale mixes levels
+  if axes == {"gpu"} and topo.get("gpus", 1) > 1:
+    return "scale_up"
+  return None
+
+
+def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, list[str]]:
+  """`fab` with every level a good fit measured replaced by the fit; notes say what came from where."""
+  chosen: dict[str, Fit] = {}
+  for f in fits:
+    level = level_of(f.scope, meta)
+    if level is None or f.busbw_beta_gbps is None or f.collective not in PREFERRED or f.poor():
+      continue
+    old = chosen.get(level)
+    better = old is None or PREFERRED.index(f.collective) < PREFERRED.index(old.collective) or (
+        f.collective == old.collective and f.group_size > old.group_size)
+    if better:
+      chosen[level] = f
+  notes = []
+  for level, f in chosen.items():
+    fab = fab.fitted(level, gbps=f.busbw_beta_gbps, hop_us=f.alpha_per_step_us)
+    notes.append(f"{level} fitted from {f.collective} over {f.scope} ({f.group_size} ranks, {f.dtype}):"
+                 f" {f.busbw_beta_gbps:.4g} GB/s, hop {f.alpha_per_step_us or 0:.3g} us")
+  skipped = sorted({f.scope for f in fits if f.poor()})
+  if skipped:
+    notes.append(f"series with a poor fit not used: scopes {', '.join(skipped)}")
+  return fab, notes

@@ -1,0 +1,94 @@
+"""Collectives extrapolated on the emulated cluster: fit the fabric's host level from a 2-host sweep, predict
+4- and 8-host sweeps inside one rack and a 2-rack sweep across the uplinks, then run them and compare
+(time per operation at 1-16 MiB). Writes OUT/validation.md and prints it.
+
+Needs root (network namespaces). About 10 minutes on a 2-core machine:
+
+  sudo .venv/bin/python scripts/validate_collectives.py --out=/tmp/coll_validation
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HOST, UPLINK = "400mbit", "200mbit"
+SWEEP = ["--collectives=all_reduce,all_gather", "--scopes=scale_out", "--min_bytes=1M", "--max_bytes=16M",
+         "--step_factor=4", "--samples=5", "--warmup=1"]
+FIT_FROM = ("fit-2hosts", 2, 1)
+TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"),
+           ("2 racks x 2 hosts, across the uplinks", 4, 2, "1x2x2")]
+
+
+def sweep(out: str, hosts: int, racks: int) -> None:
+  if os.path.exists(os.path.join(out, "results.jsonl")) and os.path.exists(os.path.join(out, "model.json")):
+    return
+  cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--hosts={hosts}", f"--racks={racks}",
+         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), "--",
+         sys.executable, "-m", "microbench", "--distributed", *SWEEP, f"--nodes_per_rack={hosts // racks}",
+         f"--outdir={out}"]
+  r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if r.returncode:
+    raise SystemExit(f"sweep failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+
+
+def measured(out: str) -> dict[tuple[str, int], float]:
+  with open(os.path.join(out, "results.jsonl"), encoding="utf-8") as f:
+    recs = [json.loads(line) for line in f]
+  return {(r["collective"], r["bytes"]): r["time_us"] for r in recs
+          if r.get("status") == "ok" and not r.get("wrong") and r.get("time_us")}
+
+
+def predicted(fit_dir: str, hosts_per_rack: int, racks: int, shape: str) -> dict[tuple[str, int], tuple]:
+  cmd = [sys.executable, "-m", "microbench.cli.report",
+         f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={HOST},uplink_rate={UPLINK}",
+         f"--fit_from={fit_dir}", f"--shapes={shape}", "--predict=1M,4M,16M",
+         "--fabric_collectives=all_reduce,all_gather"]
+  r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+  out = {}
+  sizes = {"1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
+  for line in r.stdout.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if len(cells) == 8 and cells[3] in sizes:
+      out[(cells[0], sizes[cells[3]])] = (float(cells[5]), cells[4], cells[7])
+  return out
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--out", required=True)
+  a = ap.parse_args()
+  os.makedirs(a.out, exist_ok=True)
+  fit_dir = os.path.join(a.out, FIT_FROM[0])
+  sweep(fit_dir, FIT_FROM[1], FIT_FROM[2])
+  lines = ["| target | collective | size | measured (us) | predicted (us) | algorithm | bottleneck | error |",
+           "|---|---|---|---|---|---|---|---|"]
+  errors = []
+  for name, hosts, racks, shape in TARGETS:
+    run_dir = os.path.join(a.out, f"{hosts}hosts-{racks}racks")
+    pred = predicted(fit_dir, hosts // racks, racks, shape)  # before the run
+    sweep(run_dir, hosts, racks)
+    got = measured(run_dir)
+    for (coll, size), (t, algo, neck) in sorted(pred.items()):
+      m = got.get((coll, size))
+      err = None if m is None else (t - m) / m
+      if err is not None:
+        errors.append(abs(err))
+      lines.append(f"| {name} | {coll} | {size >> 20}M | {'n/a' if m is None else f'{m:.0f}'} | {t:.0f} | {algo} |"
+                   f" {neck} | {'n/a' if err is None else f'{100 * err:+.1f}%'} |")
+  if errors:
+    lines += ["", f"|error| over {len(errors)} points: median {100 * statistics.median(errors):.1f}%, worst"
+                  f" {100 * max(errors):.1f}%"]
+  text = "\n".join(lines) + "\n"
+  with open(os.path.join(a.out, "validation.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
