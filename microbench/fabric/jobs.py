@@ -78,6 +78,7 @@ class _Rank:
   busy_until: float | None = None
   handles: dict[int, tuple] = dataclasses.field(default_factory=dict)  # handle -> call id
   blocked_on: tuple = ()  # call ids it waits for
+  awake: bool = True  # in the ready list
   ends: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -119,7 +120,15 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
   left: dict[str, float] = {}
   paths: dict[str, tuple[str, ...]] = {}
   owner: dict[str, tuple] = {}
+  waiters: dict[tuple, list[_Rank]] = {}  # call -> ranks blocked on it (woken when it is done)
+  ready: list[_Rank] = list(ranks)  # ranks that may move now; the others wait for time or a call
+  finished = [0]  # ranks that have done `iterations`
   now = 0.0
+
+  def wake(st: _Rank) -> None:
+    if not st.awake:
+      st.awake = True
+      ready.append(st)
 
   def call_id(st: _Rank, c: Collective) -> tuple:
     return (st.job, st.iteration, c.key)
@@ -141,6 +150,8 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
   def finish(cid: tuple) -> None:
     call = calls[cid]
     call.done = True
+    for st in waiters.pop(cid, ()):
+      wake(st)
     queue = queues[call.comm]
     queue.pop(0)
     if queue:
@@ -164,7 +175,9 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
     moved = False
     while True:
       if st.blocked_on:
-        if not all(calls[c].done for c in st.blocked_on):
+        undone = [c for c in st.blocked_on if not calls[c].done]
+        if undone:
+          waiters.setdefault(undone[0], []).append(st)  # woken when it is done, then checks the rest
           return moved
         st.blocked_on = ()
       if st.busy_until is not None:
@@ -175,7 +188,9 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
         st.ends.append(now)
         st.iteration, st.pc, st.handles = st.iteration + 1, 0, {}
         moved = True
-        if all(len(x.ends) >= iterations for x in ranks):
+        if len(st.ends) == iterations:
+          finished[0] += 1
+        if finished[0] == len(ranks):
           return moved
         continue
       step = st.steps[st.pc]
@@ -205,10 +220,12 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
             if any(x not in capacity for x in p):
               raise ModelError(f"job {job.name}: {s.collective.key} crosses links with no capacity:"
                                f" {', '.join(x for x in p if x not in capacity)}")
-  while not all(len(st.ends) >= iterations for st in ranks):
-    while any([advance(st) for st in ranks]):
-      pass
-    if all(len(st.ends) >= iterations for st in ranks):
+  while finished[0] < len(ranks):
+    while ready and finished[0] < len(ranks):
+      st = ready.pop()
+      st.awake = False
+      advance(st)
+    if finished[0] == len(ranks):
       break
     if flows_at_rates != paths.keys():  # rates change only when a flow starts or ends
       mix = frozenset((p, c) for p, c in per_path.items() if c)
@@ -216,7 +233,8 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
         solved[mix] = fl.path_rates(dict(mix), capacity)
       rates = {f: solved[mix][p] for f, p in paths.items()}
       flows_at_rates = frozenset(paths)
-    candidates = [st.busy_until - now for st in ranks if st.busy_until is not None]
+    busy = [st for st in ranks if st.busy_until is not None]
+    candidates = [st.busy_until - now for st in busy]
     candidates += [left[f] / rates[f] for f in left]
     if not candidates:
       waiting = sorted({str(c) for st in ranks for c in st.blocked_on if not calls[c].started})
@@ -232,6 +250,9 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
           finish(owner[f])
         per_path[paths[f]] -= 1
         del left[f], paths[f], owner[f]
+    for st in busy:
+      if st.busy_until <= now + fl.EPS:
+        wake(st)
   out: dict[str, list[float]] = {}
   for j, job in enumerate(jobs):
     mine = [st for st in ranks if st.job == j]

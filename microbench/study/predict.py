@@ -141,41 +141,51 @@ def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0,
             iterations: int = 6) -> dict:
   """Predicted iteration times alone and in the mix, sigma per job and per matching key."""
   plan, experiments = runner.load_plan(plan_dir)
-  machine = mm.Machine.from_json(plan["machine"])
-  fab = mm.fabric_of(machine)
-  links = Links(machine, fab)
+  return predict_experiments(mm.Machine.from_json(plan["machine"]), experiments, bytes_scale, compute_scale, dtype,
+                             iterations)
+
+
+def mix_times(machine: mm.Machine, jobs: Sequence[dict], bytes_scale: float = 1.0, compute_scale: float = 1.0,
+              dtype: str = "bfloat16", iterations: int = 6) -> dict[str, tuple[float, str | None]]:
+  """Each job's predicted iteration time when `jobs` run together (one job: alone), and its dominant link."""
+  links = Links(machine, mm.fabric_of(machine))
   cap = links.capacity()
   eb = ELEMENT_BYTES[dtype]
+  models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb) for j in jobs]
+  together = fj.run(models, cap, iterations)
+  return {m.name: (fj.steady(together[m.name]), dominant_link(m, [x for x in models if x is not m], cap))
+          for m in models}
+
+
+def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_scale: float = 1.0,
+                        compute_scale: float = 1.0, dtype: str = "bfloat16", iterations: int = 6) -> dict:
+  """`predict` for experiments in memory."""
+  scales = dict(bytes_scale=bytes_scale, compute_scale=compute_scale, dtype=dtype, iterations=iterations)
   alone: dict[tuple, float] = {}
   for e in experiments:
     for job in e["jobs"]:
       key = runner.key_of(job)
       if key not in alone:  # the baseline: the key's first job alone on its nodes
-        model = job_model("base", _schedule(job, machine, bytes_scale, compute_scale), job, links, eb)
-        alone[key] = fj.steady(fj.run([model], cap, iterations)["base"])
+        alone[key] = mix_times(machine, [job], **scales)[job["name"]][0]
   out_exps = {}
   per_key: dict[tuple, list[float]] = {}
   for e in experiments:
-    models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb)
-              for j in e["jobs"]]
-    together = fj.run(models, cap, iterations)
+    times = mix_times(machine, e["jobs"], **scales)
     rows = []
-    for j, model in zip(e["jobs"], models):
+    for j in e["jobs"]:
       key = runner.key_of(j)
-      t = fj.steady(together[j["name"]])
+      t, link = times[j["name"]]
       per_key.setdefault(key, []).append(t)
       rows.append({"job": j["name"], "key": runner.key_name(key), "alone_s": alone[key], "together_s": t,
-                   "sigma": t / alone[key], "link": dominant_link(model, [m for m in models if m is not model], cap)})
+                   "sigma": t / alone[key], "link": link})
     out_exps[e["id"]] = {"jobs": rows}
   keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
                                "alone_s": alone[k], "together_s_geomean": _geomean(v),
                                "sigma": _geomean(v) / alone[k]} for k, v in per_key.items()}
-  return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
+  return {"fabric": mm.fabric_of(machine).describe(), "assumptions": list(fj.ASSUMPTIONS) + [
               "a collective moves as NCCL's ring (all-to-all and permutes as direct sends); no latency term",
               "the key's baseline is its first job alone on that job's nodes"],
-          "settings": {"bytes_scale": bytes_scale, "compute_scale": compute_scale, "dtype": dtype,
-                       "iterations": iterations},
-          "experiments": out_exps, "keys": keys}
+          "settings": scales, "experiments": out_exps, "keys": keys}
 
 
 def _geomean(xs: Sequence[float]) -> float:
