@@ -54,3 +54,30 @@ def test_predict_needs_a_plan_and_an_output_folder(tmp_path):
   r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={tmp_path}",
                       f"--out={tmp_path / 'r'}"], capture_output=True, text=True, check=False, timeout=120)
   assert r.returncode != 0 and "cannot read the plan" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_placements_are_ranked_by_predicted_interference():
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+  from microbench.study import ranking  # pylint: disable=g-import-not-at-top
+  m = mm.parse("testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit")
+  ranked = ranking.rank(m, [("dp", 2), ("dp", 2)], bytes_scale=0.005)
+  first, last = ranked[0], ranked[-1]
+  assert first["worst_sigma"] == pytest.approx(1.0) and last["worst_sigma"] > 1.8
+  assert all(a["worst_sigma"] <= b["worst_sigma"] + 1e-9 for a, b in zip(ranked, ranked[1:]))
+  # Last: both jobs cross the same rack's uplink; first: nothing shared.
+  assert {j["placement_class"] for j in last["jobs"]} == {"intra-group"}
+  racks = [{m.l1_of(n) for n in j["nodes"]} for j in last["jobs"]]
+  assert racks[0] & racks[1]
+
+
+def test_place_writes_the_first_and_last_as_plans(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "place", "--machine=testbed:racks=2,hosts_per_rack=2",
+                      "--jobs=dp:2", "--jobs=dp:2", "--bytes_scale=0.005", f"--out={tmp_path}"],
+                     capture_output=True, text=True, check=False, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.splitlines()[2].startswith("| 1 | 1.000 |")
+  for name in ("first", "last"):
+    assert os.path.exists(tmp_path / name / "plan.json")
+  bad = subprocess.run([sys.executable, "-m", "microbench.cli.study", "place", "--jobs=dp@0,1"],
+                       capture_output=True, text=True, check=False, timeout=120)
+  assert bad.returncode != 0 and "place wants STRATEGY:GPUS" in bad.stderr and "Traceback" not in bad.stderr

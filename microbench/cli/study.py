@@ -21,7 +21,7 @@ from microbench.cli import cluster_flags, runner
 
 FLAGS = flags.FLAGS
 NAME = "microbench-study"
-MODES = ("plan", "predict", "run", "report", "proxy", "schedule")
+MODES = ("plan", "predict", "place", "run", "report", "proxy", "schedule")
 
 # --- proxy / schedule
 flags.DEFINE_string("strategy", "dp", "proxy/schedule: dp, fsdp, dp+pp, dp+pp+tp or dp+pp+ep.")
@@ -252,6 +252,49 @@ def _plan() -> int:
   return 0
 
 
+def _place() -> int:
+  """Candidate placements of --jobs=STRATEGY:GPUS ... ranked by predicted worst, then mean sigma; with --out,
+  the first- and last-ranked written as plans (OUT/first, OUT/last) for `run` to measure."""
+  from microbench.study import generator, machines, ranking, workloads  # pylint: disable=g-import-not-at-top
+  if not FLAGS.jobs:
+    raise app.UsageError("--jobs=STRATEGY:GPUS is required, once per job, e.g. --jobs=dp:2 --jobs=fsdp:4")
+  jobs = []
+  for text in FLAGS.jobs:
+    strategy, _, gpus = text.partition(":")
+    if not gpus.isdigit() or int(gpus) < 1 or "@" in text:
+      raise app.UsageError(f"--jobs={text!r}: place wants STRATEGY:GPUS (e.g. dp:2); the nodes are its answer")
+    jobs.append((strategy, int(gpus)))
+  try:
+    machine = machines.parse(FLAGS.machine, FLAGS.node_map)
+    for strategy, _ in jobs:
+      workloads.strategy(strategy)
+    ranked = ranking.rank(machine, jobs, FLAGS.bytes_scale, FLAGS.compute_scale)
+  except (machines.MachineError, workloads.WorkloadError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
+  print("| rank | worst sigma | mean sigma | jobs (class: nodes) | dominant links |")
+  print("|---|---|---|---|---|")
+  for i, e in enumerate(ranked, 1):
+    desc = "; ".join(f"{j['strategy']}x{j['gpus']} {j['placement_class']}: {','.join(map(str, j['nodes']))}"
+                     for j in e["jobs"])
+    print(f"| {i} | {e['worst_sigma']:.3f} | {e['mean_sigma']:.3f} | {desc} |"
+          f" {', '.join(x or '-' for x in e['links'])} |")
+  if FLAGS.out:
+    settings = generator.Settings(machine)
+    for name, e in (("first", ranked[0]), ("last", ranked[-1])):
+      generator.write(os.path.join(FLAGS.out, name), settings, [dict(_as_experiment(machine, e), id="e000")], {},
+                      " ".join(sys.argv))
+    say(f"first- and last-ranked placements written as plans to {FLAGS.out}/first and {FLAGS.out}/last")
+  return 0
+
+
+def _as_experiment(machine, e: dict) -> dict:
+  """A ranked candidate in the plan's experiment format (a hand-written mix on its nodes)."""
+  from microbench.study import generator  # pylint: disable=g-import-not-at-top
+  exp = generator.manual(machine, [(j["strategy"], j["model"], j["nodes"]) for j in e["jobs"]])
+  exp["pattern"] = dict(exp["pattern"], id="placed")
+  return exp
+
+
 def _use_derived(experiments: list[dict]) -> None:
   """--derive: jobs of the named strategies get `proxy_from` (their model becomes the training model's)."""
   from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
@@ -368,7 +411,7 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(f"want one mode of {', '.join(MODES)} (got {argv[1:] or 'none'}); see --help")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report,
-          "predict": _predict}[mode]()
+          "predict": _predict, "place": _place}[mode]()
 
 
 def run() -> None:
