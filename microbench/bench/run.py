@@ -19,7 +19,7 @@ from microbench.cluster import distributed, environment, machine
 from microbench.fabric import description as fabric_description
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
-from microbench.output import run_folder, table
+from microbench.output import run_folder, table, train_log
 from microbench.report import alpha_beta
 from microbench.target import compile_only
 
@@ -123,7 +123,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
-  out.text("config", "\n".join(f"    {k} = {v}" for k, v in sorted(flag_values.items())))
+  out.text("config", train_log.markdown_table(dict(sorted(flag_values.items()))))  # a table, not a dump
   out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
   if target:
     out.print(f"# microbench: jax {meta['jax_version']}, compile only for {target.hosts} host(s) x "
