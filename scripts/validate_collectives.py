@@ -1,6 +1,6 @@
-"""Collectives extrapolated on the emulated cluster: fit the fabric's host level from a 2-host sweep, predict
-4- and 8-host sweeps inside one rack and a 2-rack sweep across the uplinks, then run them and compare
-(time per operation at 1-16 MiB). Writes OUT/validation.md and prints it.
+"""Collectives extrapolated on the emulated cluster: fit the fabric's host and uplink levels from 2-host sweeps
+(one rack; two racks), predict 4- and 8-host sweeps inside one rack and a 2-rack sweep across the uplinks,
+then run them and compare (time per operation at 1-16 MiB). Writes OUT/validation.md and prints it.
 
 Needs root (network namespaces). About 10 minutes on a 2-core machine:
 
@@ -19,7 +19,7 @@ import sys
 HOST, UPLINK = "400mbit", "200mbit"
 SWEEP = ["--collectives=all_reduce,all_gather", "--scopes=scale_out", "--min_bytes=1M", "--max_bytes=16M",
          "--step_factor=4", "--samples=5", "--warmup=1"]
-FIT_FROM = ("fit-2hosts", 2, 1)
+FIT_FROM = [("fit-2hosts", 2, 1), ("fit-2racks", 2, 2)]  # the NICs (one rack), the uplinks (two racks)
 TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"),
            ("2 racks x 2 hosts, across the uplinks", 4, 2, "1x2x2")]
 
@@ -43,10 +43,10 @@ def measured(out: str) -> dict[tuple[str, int], float]:
           if r.get("status") == "ok" and not r.get("wrong") and r.get("time_us")}
 
 
-def predicted(fit_dir: str, hosts_per_rack: int, racks: int, shape: str) -> dict[tuple[str, int], tuple]:
+def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str) -> dict[tuple[str, int], tuple]:
   cmd = [sys.executable, "-m", "microbench.cli.report",
          f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={HOST},uplink_rate={UPLINK}",
-         f"--fit_from={fit_dir}", f"--shapes={shape}", "--predict=1M,4M,16M",
+         f"--fit_from={','.join(fit_dirs)}", f"--shapes={shape}", "--predict=1M,4M,16M",
          "--fabric_collectives=all_reduce,all_gather"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=True)
   out = {}
@@ -63,14 +63,16 @@ def main() -> int:
   ap.add_argument("--out", required=True)
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
-  fit_dir = os.path.join(a.out, FIT_FROM[0])
-  sweep(fit_dir, FIT_FROM[1], FIT_FROM[2])
+  fit_dirs = []
+  for name, hosts, racks in FIT_FROM:
+    fit_dirs.append(os.path.join(a.out, name))
+    sweep(fit_dirs[-1], hosts, racks)
   lines = ["| target | collective | size | measured (us) | predicted (us) | algorithm | bottleneck | error |",
            "|---|---|---|---|---|---|---|---|"]
   errors = []
   for name, hosts, racks, shape in TARGETS:
     run_dir = os.path.join(a.out, f"{hosts}hosts-{racks}racks")
-    pred = predicted(fit_dir, hosts // racks, racks, shape)  # before the run
+    pred = predicted(fit_dirs, hosts // racks, racks, shape)  # before the run
     sweep(run_dir, hosts, racks)
     got = measured(run_dir)
     for (coll, size), (t, algo, neck) in sorted(pred.items()):

@@ -24,8 +24,9 @@ flags.DEFINE_string("fabric", None, "Predict on a described fabric instead of fr
 flags.DEFINE_list("gpus", [], "With --fabric: group sizes, ranks filling nodes, leaves and groups in order.")
 flags.DEFINE_list("shapes", [], "With --fabric: group shapes RANKS_PER_DOMAINxDOMAINS_PER_LEAFxLEAVES_PER_GROUPx"
                   "GROUPS (e.g. 4x2: two nodes of one leaf).")
-flags.DEFINE_string("fit_from", None, "With --fabric: a run folder whose alpha-beta fits replace the rate and hop"
-                    " latency of the levels its scopes measured (model.json and meta.json).")
+flags.DEFINE_list("fit_from", [], "With --fabric: run folders whose alpha-beta fits replace the rate and hop"
+                  " latency of the levels their scopes measured (model.json and meta.json), e.g. a 2-node sweep"
+                  " inside a rack (the NICs) and one across two racks (the uplinks).")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
@@ -74,8 +75,9 @@ def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
   try:
     fab = fd.parse(FLAGS.fabric)
     notes: list[str] = []
-    if FLAGS.fit_from:
-      fab, notes = _fit_from(fab, FLAGS.fit_from)
+    for run_dir in FLAGS.fit_from:
+      fab, more = _fit_from(fab, run_dir)
+      notes += more
     shapes = [fc.Shape.parse(s) for s in FLAGS.shapes]
     for g in FLAGS.gpus:
       if not g.strip().isdigit() or int(g) < 1:
