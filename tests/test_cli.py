@@ -275,3 +275,4 @@ def test_profile_points_trace_the_chosen_point_into_the_run_folder(tmp_path):
   assert [x.get("profile") for x in recs] == [None, str(out / "plugins" / "profile")]
   traces = list((out / "plugins" / "profile").rglob("*.xplane.pb"))
   assert len(traces) == 1 and b"all-reduce" in traces[0].read_bytes()
+  assert b"step_num" in traces[0].read_bytes()  # step markers (the Overview Page reads them: no "no step marker")

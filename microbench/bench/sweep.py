@@ -295,8 +295,10 @@ def profile_point(point: program.Point, short: program.Compiled, long: program.C
     jax.profiler.start_trace(profile_dir)
   try:
     with jax.profiler.TraceAnnotation(f"microbench {label}"):
-      for prog in (short, long):
-        with jax.profiler.TraceAnnotation(f"{prog.reps} operations"):
+      # Each program call a step (step 0: the short program, 1: the long one), so the Profile tab's
+      # Overview Page has step times instead of "no step marker observed" and zeros.
+      for step, prog in enumerate((short, long)):
+        with jax.profiler.StepTraceAnnotation(f"{prog.reps} operations", step_num=step):
           carry = prog.fn(*carry)
           jax.block_until_ready(carry)
   finally:
