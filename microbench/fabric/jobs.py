@@ -170,32 +170,29 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
         launch(cid)
     return cid
 
-  def advance(st: _Rank) -> bool:
-    """Runs the rank's steps until one blocks; True if it moved."""
-    moved = False
+  def advance(st: _Rank) -> None:
+    """Runs the rank's steps until one blocks (it is woken again by time or by the call it waits for)."""
     while True:
       if st.blocked_on:
         undone = [c for c in st.blocked_on if not calls[c].done]
         if undone:
           waiters.setdefault(undone[0], []).append(st)  # woken when it is done, then checks the rest
-          return moved
+          return
         st.blocked_on = ()
       if st.busy_until is not None:
         if st.busy_until > now + fl.EPS:
-          return moved
+          return
         st.busy_until = None
       if st.pc == len(st.steps):
         st.ends.append(now)
         st.iteration, st.pc, st.handles = st.iteration + 1, 0, {}
-        moved = True
         if len(st.ends) == iterations:
           finished[0] += 1
         if finished[0] == len(ranks):
-          return moved
+          return
         continue
       step = st.steps[st.pc]
       st.pc += 1
-      moved = True
       if isinstance(step, Compute):
         if step.seconds > 0:
           st.busy_until = now + step.seconds
