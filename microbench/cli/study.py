@@ -5,6 +5,8 @@
   microbench-study report --results=res/                                          # sigma, CIs, PNGs, Markdown
   microbench-study proxy  --strategy=fsdp --gpus=16 ...   # one proxy job (what `run` launches; one process per GPU)
   microbench-study schedule --strategy=fsdp --gpus=16 [--proxy_from=llama3-8b,fsdp]  # bytes per iteration
+  microbench-study gpcnet --machine=testbed --canary=all_reduce:1M@0,2 --congestors=alltoall@1,3 --out=g/
+                                    # GPCNeT: the canary alone, then beside congestors; impact factor + prediction
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from microbench.cli import cluster_flags, runner
 
 FLAGS = flags.FLAGS
 NAME = "microbench-study"
-MODES = ("plan", "predict", "place", "run", "report", "proxy", "schedule")
+MODES = ("plan", "predict", "place", "run", "report", "proxy", "schedule", "gpcnet")
 
 # --- proxy / schedule
 flags.DEFINE_string("strategy", "dp", "proxy/schedule: dp, fsdp, dp+pp, dp+pp+tp or dp+pp+ep.")
@@ -50,6 +52,22 @@ flags.DEFINE_enum("proxy_dtype", "bfloat16", ["bfloat16", "float16", "float32"],
                   " buffers.")
 flags.DEFINE_string("out", None, "proxy: JSONL records (process 0). plan: plan folder. run: results folder.")
 flags.DEFINE_string("label", "", "proxy: a label copied into the header record.")
+flags.DEFINE_string("congestor", None, "proxy: run a congestor instead of a strategy: alltoall, incast, broadcast or"
+                    " permutation (one round per iteration, --message_bytes per rank; --seed for permutation).")
+flags.DEFINE_string("point", None, "proxy: run one collective point instead of a strategy: all_reduce, all_gather,"
+                    " reduce_scatter or all_to_all of --message_bytes.")
+flags.DEFINE_string("message_bytes", None, "proxy --congestor/--point: message size per rank (bytes, or 4M, 512K).")
+
+# --- gpcnet
+flags.DEFINE_string("canary", None, "gpcnet: STRATEGY[:MODEL]@NODES (dp@0,2) or OP:SIZE@NODES (all_reduce:1M@0,2).")
+flags.DEFINE_multi_string("congestors", None, "gpcnet: KIND[:SIZE]@NODES (alltoall@1,3), repeatable, or "
+                          "KIND[:SIZE],KIND... spread over the nodes left free; kinds: alltoall, incast, broadcast, "
+                          "permutation.")
+flags.DEFINE_float("congestor_seconds", 1.0, "gpcnet: size unsized congestors so one round alone lasts this long "
+                   "on the described links.", lower_bound=1e-3)
+flags.DEFINE_bool("measure", True, "gpcnet: run the canary and congestors (--nomeasure: the prediction only).")
+flags.DEFINE_integer("resamples", 2000, "gpcnet: bootstrap resamples of the impact factors' intervals.",
+                     lower_bound=100)
 
 # --- plan
 flags.DEFINE_string("machine", "testbed", "plan: leonardo, lumi, alps, jupiter, dgx, testbed or custom, with "
@@ -119,8 +137,22 @@ def say(msg: str) -> None:
 
 
 def _schedule(gpus: int, devices=None):
-  """The job's schedule (hand-written or derived from --proxy_from) and its unscaled version."""
-  from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
+  """The job's schedule (hand-written, derived from --proxy_from, a congestor or a point) and its unscaled
+  version."""
+  from microbench.study import congestors, predict, schedules, workloads  # pylint: disable=g-import-not-at-top
+  if FLAGS.congestor or FLAGS.point:
+    if FLAGS.congestor and FLAGS.point or FLAGS.proxy_from:
+      raise app.UsageError("--congestor, --point and --proxy_from each choose the proxy's schedule: give one")
+    if not FLAGS.message_bytes:
+      raise app.UsageError("--congestor and --point need --message_bytes (e.g. 4M)")
+    eb = predict.ELEMENT_BYTES[FLAGS.proxy_dtype]
+    try:
+      size = congestors.parse_size(FLAGS.message_bytes)
+      job = (congestors.build(FLAGS.congestor, gpus, size, eb, FLAGS.seed) if FLAGS.congestor
+             else congestors.point(FLAGS.point, gpus, size, eb))
+    except congestors.CongestorError as e:
+      raise app.UsageError(str(e)) from None
+    return job, None
   try:
     if FLAGS.proxy_from:
       from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
@@ -153,7 +185,8 @@ def _proxy() -> int:
   from microbench.study import proxy  # pylint: disable=g-import-not-at-top
   job, full = _schedule(FLAGS.gpus or jax.process_count())
   try:
-    proxy.run(job, iters=FLAGS.iters or st.runs, warmup=st.warmup if FLAGS.warmup is None else FLAGS.warmup,
+    iters = FLAGS.iters or (10 ** 9 if FLAGS.congestor else st.runs)  # a congestor loops until stopped
+    proxy.run(job, iters=iters, warmup=st.warmup if FLAGS.warmup is None else FLAGS.warmup,
               out=out, compute=FLAGS.compute, dtype=FLAGS.proxy_dtype, label=FLAGS.label, full=full,
               say=lambda m: say(m))
   except proxy.ProxyError as e:
@@ -196,7 +229,8 @@ def _schedule_report() -> int:
     if len(jax.devices()) < gpus:
       raise app.UsageError(f"--gpus={gpus} but only {len(jax.devices())} devices here (JAX_NUM_CPU_DEVICES)")
     devices = jax.devices()[:gpus]
-  _, full = _schedule(gpus, devices)
+  job, full = _schedule(gpus, devices)
+  full = full or job  # a congestor or point has no full-scale version: it is what runs
 
   def describe(job) -> dict:
     rows = []
@@ -393,6 +427,59 @@ def _predict() -> int:
   return 0
 
 
+def _gpcnet() -> int:
+  """GPCNeT's congestion impact factor: the flow model's prediction first (written before anything runs), then
+  the canary alone and beside the congestors on --backend; OUT/report.md and OUT/gpcnet.json."""
+  from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+  from microbench.study import backends, gpcnet, machines  # pylint: disable=g-import-not-at-top
+  if not FLAGS.canary or not FLAGS.congestors or not FLAGS.out:
+    raise app.UsageError("--canary=SPEC, --congestors=KIND[@NODES] and --out=FOLDER are required, e.g. "
+                         "--canary=all_reduce:1M@0,2 --congestors=alltoall@1,3")
+  s = gpcnet.Settings(out_dir=FLAGS.out, iters=FLAGS.iters or 40, warmup=1 if FLAGS.warmup is None else FLAGS.warmup,
+                      dtype=FLAGS.proxy_dtype, compute=FLAGS.compute, bytes_scale=FLAGS.bytes_scale,
+                      compute_scale=FLAGS.compute_scale, congestor_seconds=FLAGS.congestor_seconds,
+                      seed=FLAGS.seed, grace=FLAGS.grace, walltime=FLAGS.walltime, resamples=FLAGS.resamples)
+  try:
+    machine = machines.parse(FLAGS.machine, FLAGS.node_map)
+    canary = gpcnet.parse_canary(FLAGS.canary, machine)
+    congs = gpcnet.size_congestors(machine, gpcnet.parse_congestors(FLAGS.congestors, machine, canary), s)
+    predicted = gpcnet.prediction(machine, canary, congs, s)
+  except (gpcnet.GpcnetError, machines.MachineError) as e:
+    raise app.UsageError(str(e)) from None
+  command_line = " ".join(["microbench-study"] + sys.argv[1:])
+  say(f"predicted CIF {predicted['cif']:.3f} (canary {predicted['alone_s'] * 1e3:.2f} ms alone, "
+      f"{predicted['beside_s'] * 1e3:.2f} ms beside); shared links: {', '.join(predicted['shared_links']) or 'none'}")
+  gpcnet.write(FLAGS.out, gpcnet.result(machine, canary, congs, s, predicted, None, command_line))
+  if not FLAGS.measure:
+    print(gpcnet.markdown(gpcnet.result(machine, canary, congs, s, predicted, None, command_line)))
+    return 0
+  try:
+    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
+                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
+  except backends.BackendError as e:
+    raise app.UsageError(str(e)) from None
+  launch.install_signal_handlers()
+  try:
+    backend.open()
+    measured = gpcnet.measure(machine, canary, congs, s, backend, say=say)
+  except (backends.BackendError, tbm.TestbedError, gpcnet.GpcnetError) as e:
+    say(f"error: {e}")
+    return 1
+  except launch.Interrupted as e:
+    say(f"interrupted ({e})")
+    return 128 + e.signum
+  finally:
+    backend.close()
+  try:
+    res = gpcnet.result(machine, canary, congs, s, predicted, measured, command_line)
+  except ValueError as e:
+    say(f"error: {e} (see {FLAGS.out}/logs)")
+    return 1
+  print(gpcnet.write(FLAGS.out, res))
+  return 0
+
+
 def _report() -> int:
   from microbench.study import report, runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.results:
@@ -411,7 +498,7 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(f"want one mode of {', '.join(MODES)} (got {argv[1:] or 'none'}); see --help")
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   return {"plan": _plan, "run": _run, "report": _report, "proxy": _proxy, "schedule": _schedule_report,
-          "predict": _predict, "place": _place}[mode]()
+          "predict": _predict, "place": _place, "gpcnet": _gpcnet}[mode]()
 
 
 def run() -> None:
