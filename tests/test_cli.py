@@ -276,3 +276,18 @@ def test_profile_points_trace_the_chosen_point_into_the_run_folder(tmp_path):
   traces = list((out / "plugins" / "profile").rglob("*.xplane.pb"))
   assert len(traces) == 1 and b"all-reduce" in traces[0].read_bytes()
   assert b"step_num" in traces[0].read_bytes()  # step markers (the Overview Page reads them: no "no step marker")
+
+
+def test_max_bytes_auto_is_4m_on_cpu_and_never_below_min_bytes(tmp_path):
+  """The default range ends at 4M on CPU devices, 16M on GPUs; a --min_bytes past it is a one-size sweep."""
+  from microbench.bench import sizes
+  assert sizes.default_max_bytes("cpu", 1024) == 4 << 20
+  assert sizes.default_max_bytes("gpu", 1024) == sizes.default_max_bytes("cuda", 1024) == 16 << 20
+  assert sizes.default_max_bytes("cpu", 8 << 20) == 8 << 20
+  out = tmp_path / "run"
+  r = run_cli(["--collectives=ppermute", "--scopes=scale_out", "--min_bytes=1M", "--iters=6", "--samples=2",
+               f"--outdir={out}"])
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert [rec["bytes"] for rec in _records(out)] == [1 << 20, 2 << 20, 4 << 20]  # ends at 4M, not 16M (tests double)
+  meta = json.loads((out / "meta.json").read_text())
+  assert meta["flags"]["max_bytes"] == "auto" and meta["max_bytes"] == 4 << 20

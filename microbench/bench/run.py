@@ -94,6 +94,9 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     except TopologyError as e:
       raise app.UsageError(str(e)) from None
     hosts = distributed.process_hosts()
+  if cfg.max_bytes is None:  # --max_bytes=auto
+    platform = "gpu" if target else mesh.devices.flat[0].platform
+    cfg = dataclasses.replace(cfg, max_bytes=sizes.default_max_bytes(platform, cfg.min_bytes))
   if not target:  # a compile-only run reports each point's fit instead
     _check_memory(cfg)
   if cfg.profile_points:
@@ -112,7 +115,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   meta = {
       **machine.describe(mesh, hosts),
       "topology": topology.as_dict(), "topology_source": note, "cpu_devices_emulated": emulated,
-      "flags": flag_values, "started_at": old_meta.get("started_at", _now()),
+      "flags": flag_values, "max_bytes": cfg.max_bytes, "started_at": old_meta.get("started_at", _now()),
       "resumed_at": old_meta.get("resumed_at", []) + ([_now()] if resumed else []),
       "scopes": {p.name: {"axes": list(p.axes), "group_size": p.group_size, "num_groups": p.num_groups,
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},

@@ -40,7 +40,7 @@ class SweepConfig:
   scopes: tuple[str, ...]
   dtypes: tuple[str, ...]
   min_bytes: int
-  max_bytes: int
+  max_bytes: int | None  # None: sizes.default_max_bytes(platform), resolved by the run
   step_factor: float
   iters: int      # operations in the long arm (upper bound with sample_s); 1 = latency mode
   warmup: int

@@ -28,7 +28,8 @@ flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPE
 flags.DEFINE_list("op", ["sum"], "Reduction operator(s) of all_reduce and reduce_scatter (nccl-tests' -o), or 'all':"
                   f" {', '.join(reduce_ops.OPS)}. Other collectives have none.")
 flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G).")
-flags.DEFINE_string("max_bytes", "16M", "Largest message size S.")
+flags.DEFINE_string("max_bytes", "auto", "Largest message size S; auto: 4M on CPU devices (past its caches a CPU"
+                    " only copies memory, and 16M points cost half a sweep), 16M on GPUs (and --target).")
 flags.DEFINE_float("step_factor", 4.0, "Multiply the size by this between points (> 1; nccl-tests' -f 2 doubles the"
                    " points and about the time).")
 flags.DEFINE_list("dtype", ["float32"], f"Element type(s): {', '.join(DTYPES)}.")
@@ -106,16 +107,17 @@ def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] 
 
 def config_from_flags() -> sweep.SweepConfig:
   try:
-    lo, hi = sizes.parse_size(FLAGS.min_bytes), sizes.parse_size(FLAGS.max_bytes)
+    lo = sizes.parse_size(FLAGS.min_bytes)
+    hi = None if FLAGS.max_bytes == "auto" else sizes.parse_size(FLAGS.max_bytes)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  if lo < 1 or hi < 1:
+  if lo < 1 or hi is not None and hi < 1:
     raise app.UsageError("--min_bytes and --max_bytes must be positive")
-  if lo > hi:
+  if hi is not None and lo > hi:
     raise app.UsageError(f"--min_bytes={FLAGS.min_bytes} is larger than --max_bytes={FLAGS.max_bytes}")
-  if FLAGS.step_factor <= 1 and lo < hi:
+  if FLAGS.step_factor <= 1 and (hi is None or lo < hi):
     raise app.UsageError(f"--step_factor={FLAGS.step_factor} must be > 1")
-  if FLAGS.step_factor < run_folder.MIN_STEP_FACTOR and lo < hi:
+  if FLAGS.step_factor < run_folder.MIN_STEP_FACTOR and (hi is None or lo < hi):
     raise app.UsageError(f"--step_factor={FLAGS.step_factor} puts neighbouring sizes on one TensorBoard step"
                          f" (step = round(10 x log2(bytes))): use >= {run_folder.MIN_STEP_FACTOR:.4f}")
   for name in ("iters", "samples"):
