@@ -280,3 +280,40 @@ def test_report_fits_the_fabric_from_a_run_folder(tmp_path):
   assert f"| {6 * 50 + 1.5 * (1 << 20) / 0.5e3:.4g} |" in row
   bad = _report("--fabric=testbed", f"--fit_from={tmp_path}", "--shapes=1x4", "--predict=1M")
   assert bad.returncode != 0 and "no meta.json there" in bad.stderr
+
+
+# Latency: paid per collective, before its flows, shared with nobody.
+def _latency_job(name: str, latency_s: float, links: tuple[str, ...] = ("up",), comm_bytes: float = 1.0) -> fj.Job:
+  send = fj.Collective("send", (0,), ((links, comm_bytes),), latency_s)
+  return fj.Job(name, {0: (fj.Blocking(send),)})
+
+
+def test_a_collective_pays_its_latency_then_its_flows():
+  assert fj.run([_latency_job("a", 0.5)], {"up": 1.0}, 3)["a"] == pytest.approx([1.5, 1.5, 1.5])  # alpha + S/B
+  # Beside an equal job only the flows share: (0.5 + 2) / (0.5 + 1), not 2. A latency counted as shared
+  # bytes (or left out) gives 2.
+  s = fj.sigma([_latency_job("a", 0.5), _latency_job("b", 0.5)], {"up": 1.0})
+  assert s["a"]["sigma"] == pytest.approx(2.5 / 1.5)
+  # A latency-bound job is hardly slowed: 10 s of latency, 1 s of traffic -> 12 / 11.
+  s = fj.sigma([_latency_job("a", 10.0), _latency_job("b", 10.0)], {"up": 1.0})
+  assert s["a"]["sigma"] == pytest.approx(12.0 / 11.0)
+
+
+def test_one_communicators_latencies_add_up_in_order():
+  c1 = fj.Collective("c1", (0,), ((("up",), 1.0),), 0.25)
+  c2 = fj.Collective("c2", (0,), ((("up",), 1.0),), 0.25)
+  job = fj.Job("j", {0: (fj.Start(c1, 0), fj.Start(c2, 1), fj.Wait((0, 1)))})
+  assert fj.run([job], {"up": 1.0}, 2)["j"] == pytest.approx([2.5, 2.5])  # one after the other: 2 x (0.25 + 1)
+
+
+def test_study_links_latency_is_ring_steps_times_the_crossed_levels_hop():
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+  from microbench.study import predict  # pylint: disable=g-import-not-at-top
+  machine = mm.parse("testbed")
+  fab = mm.fabric_of(machine).fitted("nic", hop_us=100.0)
+  links = predict.Links(machine, fab)
+  path = links.path((0, 0), (1, 0))
+  assert links.latency_s("all_reduce", 4, [path]) == pytest.approx(2 * 3 * 100e-6)
+  assert links.latency_s("all_gather", 4, [path], call_us=50.0) == pytest.approx((3 * 100 + 50) * 1e-6)
+  assert links.latency_s("permute", 2, [path]) == pytest.approx(100e-6)
+  assert links.latency_s("all_reduce", 1, []) == 0.0

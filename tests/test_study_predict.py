@@ -81,3 +81,37 @@ def test_place_writes_the_first_and_last_as_plans(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "microbench.cli.study", "place", "--jobs=dp@0,1"],
                        capture_output=True, text=True, check=False, timeout=120)
   assert bad.returncode != 0 and "place wants STRATEGY:GPUS" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_per_call_latency_makes_many_small_collectives_less_contended(tmp_path):
+  shared = make_plan(tmp_path / "a", [[("fsdp", None, [0, 2]), ("fsdp", None, [1, 3])]])
+  plain = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0)["keys"]["fsdp-llama3-8b-g2-intra-group"]
+  slow_calls = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0, call_us=20000.0)
+  key = slow_calls["keys"]["fsdp-llama3-8b-g2-intra-group"]
+  assert plain["sigma"] == pytest.approx(2.0)  # all traffic, all shared
+  assert 1.0 < key["sigma"] < plain["sigma"] - 0.05 and key["alone_s"] > plain["alone_s"]
+  latency_bound = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0, call_us=1e7)
+  assert latency_bound["keys"]["fsdp-llama3-8b-g2-intra-group"]["sigma"] < 1.05  # 10 s per call: hardly shared
+  assert slow_calls["settings"]["call_us"] == 20000.0 and any("20000 us per call" in a for a in slow_calls["assumptions"])
+
+
+def test_predict_fits_the_links_from_sweeps(tmp_path):
+  from microbench.report import alpha_beta  # pylint: disable=g-import-not-at-top
+  plan = make_plan(tmp_path / "p", [[("dp", None, [0, 2]), ("dp", None, [1, 3])]])
+  run_dir = tmp_path / "sweep"
+  run_dir.mkdir()
+  (run_dir / "meta.json").write_text(json.dumps({"topology": {"racks": 1, "nodes": 2, "gpus": 1},
+                                                 "scopes": {"scale_out": {"axes": ["rack", "node"]}}}))
+  steps = alpha_beta.ring_steps("all_reduce", 2)
+  alpha_beta.write_model(str(run_dir), [alpha_beta.Fit("all_reduce", "scale_out", "float32", 2, 5, 1 << 20, 16 << 20,
+                                                       400.0, 0.01, "test", 0.99, 0.01, 0.02, 1.0, 0.01, steps,
+                                                       400.0 / steps)])
+  cmd = [sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={plan}", f"--out={tmp_path / 'r'}",
+         "--bytes_scale=0.005", f"--fit_from={run_dir}"]
+  r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
+  assert r.returncode == 0, r.stderr
+  assert "nic fitted from all_reduce over scale_out (2 ranks, float32): 0.01 GB/s, hop 200 us" in r.stdout + r.stderr
+  got = predict.read(str(tmp_path / "r"))
+  assert any("fitted from sweeps: nic" in line for line in got["fabric"])
+  bad = subprocess.run(cmd[:-1] + [f"--fit_from={tmp_path}"], capture_output=True, text=True, check=False, timeout=120)
+  assert bad.returncode != 0 and "no meta.json there" in bad.stderr and "Traceback" not in bad.stderr

@@ -47,19 +47,12 @@ def _sizes(texts: list[str]) -> list[int]:
 
 def _fit_from(fab, run_dir: str):
   """The fabric with the levels `run_dir`'s sweep measured fitted (UsageError when it holds no sweep)."""
-  from microbench.output import run_folder  # pylint: disable=g-import-not-at-top
-  from microbench.report import alpha_beta, fabric_fit  # pylint: disable=g-import-not-at-top
-  meta = run_folder.read_meta(run_dir)
-  if not meta:
-    raise app.UsageError(f"--fit_from={run_dir}: no meta.json there (not a sweep's run folder)")
-  fits = alpha_beta.read_model(run_dir)
-  if fits is None:
-    fits = alpha_beta.fit_run(run_folder.read_results(run_dir))
-  fab, notes = fabric_fit.fit_levels(fab, fits, meta)
-  if not any("fitted from" in n for n in notes):
-    raise app.UsageError(f"--fit_from={run_dir}: no series there measures a level of the fabric with a good"
-                         " all-reduce, all-gather or reduce-scatter fit")
-  return fab, notes
+  from microbench.fabric import description as fd  # pylint: disable=g-import-not-at-top
+  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
+  try:
+    return fabric_fit.fit_from_run(fab, run_dir)
+  except fd.FabricError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def _fabric_predictions(paths: list[str], predict: list[int]) -> int:

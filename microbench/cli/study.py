@@ -104,6 +104,10 @@ flags.DEFINE_multi_string("jobs", None, "plan: a hand-written mix instead of a g
 
 # --- run
 flags.DEFINE_string("plan", None, "run: the plan folder written by `plan`.")
+flags.DEFINE_list("fit_from", [], "predict: sweep run folders whose alpha-beta fits replace the machine's link rates"
+                  " and hop latencies, level by level (microbench-report --fit_from does the same).")
+flags.DEFINE_float("call_us", 0.0, "predict: a fixed cost per collective call on top of the fabric's latencies"
+                   " (software: ~10 us for NCCL, ms for gloo on the emulated cluster).", lower_bound=0)
 flags.DEFINE_enum("backend", "local", ["local", "testbed", "slurm"], "run: where jobs run: local processes, the "
                   "emulated cluster (root; built for the plan's testbed machine unless --testbed_id), or srun steps "
                   "inside the current SLURM allocation.")
@@ -409,13 +413,24 @@ def _run() -> int:
 
 
 def _predict() -> int:
+  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
   from microbench.study import machines, predict, runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required (the folder `run` fills)")
   try:
-    pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype)
+    fab, notes = None, []
+    if FLAGS.fit_from:
+      plan, _ = runner.load_plan(FLAGS.plan)
+      fab = machines.fabric_of(machines.Machine.from_json(plan["machine"]))
+      for run_dir in FLAGS.fit_from:
+        fab, more = fabric_fit.fit_from_run(fab, run_dir)
+        notes += more
+    pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype, fabric=fab,
+                           call_us=FLAGS.call_us)
   except (runner.RunError, machines.MachineError, ValueError) as e:
     raise app.UsageError(str(e)) from None
+  for line in notes:
+    say(line)
   path = predict.write(FLAGS.out, pred)
   print("| experiment | job | key | alone (s) | in the mix (s) | sigma | link |")
   print("|---|---|---|---|---|---|---|")

@@ -10,8 +10,14 @@ rank repeats its program; the job's iteration ends when its slowest rank ends it
 the minimum over ranks). All jobs run until each has done `iterations`, so no job's last iterations run on
 an emptied fabric (the study respawns jobs that end for the same reason).
 
+A collective may carry a latency (`latency_s`: its start-up and per-step hop latencies, alpha in the
+alpha-beta model): once it may run it waits that long, sharing nothing, then its flows go in flight
+(t = alpha + beta as the fitted sweeps describe a collective alone). A job of many small collectives is
+then mostly latency, which no neighbour slows down.
+
 The model's assumptions, said wherever a prediction is shown (ASSUMPTIONS): jobs start together; compute
-is unaffected by other jobs; no latency, protocol or congestion-control cost beyond max-min fair sharing.
+is unaffected by other jobs; latencies are paid per collective, unshared; no protocol or congestion-control
+cost beyond max-min fair sharing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from microbench.fabric import flows as fl
 
 ASSUMPTIONS = ("jobs start together and repeat their iterations back to back",
-               "concurrent flows share each link max-min fairly; no latency or congestion-control loss",
+               "concurrent flows share each link max-min fairly; no congestion-control loss",
+               "a collective's latency (start-up and hops) is paid before its flows and shares nothing",
                "compute is unaffected by other jobs")
 
 
@@ -32,6 +39,7 @@ class Collective:
   key: str  # the same on every member for the same call (a group's n-th call of this kind)
   members: tuple[int, ...]
   flows: tuple[tuple[tuple[str, ...], float], ...]
+  latency_s: float = 0.0  # paid before the flows start, shared with nobody (alpha)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +95,7 @@ class _Call:
   members: frozenset
   flows: tuple[tuple[tuple[str, ...], float], ...]
   comm: tuple  # (job, members): its communicator
+  latency_s: float = 0.0
   arrived: set = dataclasses.field(default_factory=set)
   live: set = dataclasses.field(default_factory=set)  # flow ids in flight
   queued: bool = False  # every member has called it
@@ -121,6 +130,7 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
   paths: dict[str, tuple[str, ...]] = {}
   owner: dict[str, tuple] = {}
   waiters: dict[tuple, list[_Rank]] = {}  # call -> ranks blocked on it (woken when it is done)
+  timers: dict[tuple, float] = {}  # call -> when its latency ends and its flows start
   ready: list[_Rank] = list(ranks)  # ranks that may move now; the others wait for time or a call
   finished = [0]  # ranks that have done `iterations`
   now = 0.0
@@ -134,10 +144,17 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
     return (st.job, st.iteration, c.key)
 
   def launch(cid: tuple) -> None:
-    """Puts a ready call's flows in flight; a call with none is done at once and the next one queued on its
+    """A call that may run: its latency first (a timer), then its flows."""
+    calls[cid].started = True
+    if calls[cid].latency_s > 0:
+      timers[cid] = now + calls[cid].latency_s
+    else:
+      start_flows(cid)
+
+  def start_flows(cid: tuple) -> None:
+    """Puts a call's flows in flight; a call with none is done at once and the next one queued on its
     communicator goes."""
     call = calls[cid]
-    call.started = True
     for i, (links, size) in enumerate(call.flows):
       if size > 0:
         fid = f"{cid}/{i}"
@@ -159,7 +176,7 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
 
   def arrive(st: _Rank, c: Collective) -> tuple:
     cid = call_id(st, c)
-    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows, (st.job, c.members)))
+    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows, (st.job, c.members), c.latency_s))
     call.arrived.add(st.rank)
     if not call.queued and call.arrived >= call.members:
       # One communicator runs its collectives one at a time, in order (NCCL: one stream per communicator).
@@ -233,6 +250,7 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
     busy = [st for st in ranks if st.busy_until is not None]
     candidates = [st.busy_until - now for st in busy]
     candidates += [left[f] / rates[f] for f in left]
+    candidates += [t - now for t in timers.values()]
     if not candidates:
       waiting = sorted({str(c) for st in ranks for c in st.blocked_on if not calls[c].started})
       raise ModelError(f"no rank can progress: collectives some member never starts: {', '.join(waiting[:3])}")
@@ -247,6 +265,10 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
           finish(owner[f])
         per_path[paths[f]] -= 1
         del left[f], paths[f], owner[f]
+    for cid, t in sorted(timers.items(), key=lambda kv: kv[1]):
+      if t <= now + fl.EPS:
+        del timers[cid]
+        start_flows(cid)
     for st in busy:
       if st.busy_until <= now + fl.EPS:
         wake(st)

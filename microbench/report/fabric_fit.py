@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from microbench.fabric.description import Fabric
+from microbench.fabric.description import Fabric, FabricError
+from microbench.output import run_folder
+from microbench.report import alpha_beta
 from microbench.report.alpha_beta import Fit
 
 PREFERRED = ("all_reduce", "all_gather", "reduce_scatter")
@@ -54,4 +56,20 @@ def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, li
   skipped = sorted({f.scope for f in fits if f.poor()})
   if skipped:
     notes.append(f"series with a poor fit not used: scopes {', '.join(skipped)}")
+  return fab, notes
+
+
+def fit_from_run(fab: Fabric, run_dir: str) -> tuple[Fabric, list[str]]:
+  """`fab` with the levels `run_dir`'s sweep measured fitted; FabricError (one line) when it holds no sweep
+  or no series with a good fit of a level."""
+  meta = run_folder.read_meta(run_dir)
+  if not meta:
+    raise FabricError(f"--fit_from={run_dir}: no meta.json there (not a sweep's run folder)")
+  fits = alpha_beta.read_model(run_dir)
+  if fits is None:
+    fits = alpha_beta.fit_run(run_folder.read_results(run_dir))
+  fab, notes = fit_levels(fab, fits, meta)
+  if not any("fitted from" in n for n in notes):
+    raise FabricError(f"--fit_from={run_dir}: no series there measures a level of the fabric with a good"
+                      " all-reduce, all-gather or reduce-scatter fit")
   return fab, notes

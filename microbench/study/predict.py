@@ -6,8 +6,11 @@ A collective becomes flows the way NCCL's ring moves it: all-reduce sends 2(n-1)
 the next, all-gather and reduce-scatter (n-1)/n S, all-to-all S/n to every other member, a permute S from
 each source to its target. A flow crosses the source GPU's NVLink out and the target's in (same node), or
 the source node's NICs out, the leaf uplink and group links where it leaves them, and the target's way in.
-Levels without a rate (non-blocking) are left out of the path. The baseline of a matching key is its first
-job alone on that job's nodes, as `run` measures it.
+Levels without a rate (non-blocking) are left out of the path. Each collective also pays a latency no
+neighbour changes: the fabric's base latency plus its ring steps times the hop latency of the slowest level
+it crosses (NCCL's tuning model; `fit_from` sweeps replace the described hops with the measured alpha per
+step), plus `call_us` per call if given. The baseline of a matching key is its first job alone on that job's
+nodes, as `run` measures it.
 
 Written to RESULTS/predicted.json before the run (the folder `run` then fills); `report` puts it beside the
 measured sigma.
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 
 from microbench.fabric import description as fd
 from microbench.fabric import jobs as fj
+from microbench.report.alpha_beta import ring_steps
 from microbench.study import backends, runner, schedules
 from microbench.study import machines as mm
 
@@ -73,6 +77,17 @@ class Links:
       out.append(f"node{nb}:in")
     return tuple(out) or ("local",)
 
+  def latency_s(self, op: str, n: int, paths: Sequence[tuple[str, ...]], call_us: float = 0.0) -> float:
+    """A collective's unshared time: base + ring steps x the slowest crossed level's hop, + `call_us`."""
+    f = self.fabric
+    if n < 2 or not paths:
+      return call_us * 1e-6
+    network = any(x.startswith(("node", "leaf", "group")) for p in paths for x in p)
+    on_node = any(x.startswith("gpu") for p in paths for x in p)
+    hop = f.net_hop_us if network else f.scale_up_hop_us if on_node else 0.0
+    steps = ring_steps("ppermute" if op == "permute" else op, n) or 1
+    return (f.base_us + steps * hop + call_us) * 1e-6
+
 
 def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links,
                element_bytes: int) -> tuple[tuple[tuple[str, ...], float], ...]:
@@ -91,7 +106,8 @@ def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links
   return tuple((links.path(where[a], where[b]), v) for a, b, v in pairs if v > 0)
 
 
-def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, element_bytes: int) -> fj.Job:
+def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, element_bytes: int,
+              call_us: float = 0.0) -> fj.Job:
   """The job's ranks as fabric.jobs programs on the nodes `job` places them on."""
   nodes = backends.rank_nodes(job)
   where = [(nodes[r], backends.rank_gpu(job, r)) for r in range(job["gpus"])]
@@ -108,8 +124,9 @@ def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, 
         c = s.comm
         ident = (c.op, c.label, c.group.ranks, c.pairs)
         seen[ident] = seen.get(ident, 0) + 1
+        flows = comm_flows(c, where, links, element_bytes)
         coll = fj.Collective(f"{c.label}:{c.op}:{','.join(map(str, c.group.ranks))}:{seen[ident]}", c.group.ranks,
-                             comm_flows(c, where, links, element_bytes))
+                             flows, links.latency_s(c.op, len(c.group.ranks), [p for p, _ in flows], call_us))
         out.append(fj.Start(coll, s.handle) if isinstance(s, schedules.Start) else fj.Blocking(coll))
     programs[r] = tuple(out)
   return fj.Job(name, programs)
@@ -138,39 +155,45 @@ def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, f
 
 
 def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0, dtype: str = "bfloat16",
-            iterations: int = 6) -> dict:
-  """Predicted iteration times alone and in the mix, sigma per job and per matching key."""
+            iterations: int = 6, fabric: fd.Fabric | None = None, call_us: float = 0.0) -> dict:
+  """Predicted iteration times alone and in the mix, sigma per job and per matching key; `fabric` replaces
+  the machine's described links (a fitted one, say)."""
   plan, experiments = runner.load_plan(plan_dir)
   return predict_experiments(mm.Machine.from_json(plan["machine"]), experiments, bytes_scale, compute_scale, dtype,
-                             iterations)
+                             iterations, fabric=fabric, call_us=call_us)
 
 
 def mix_times(machine: mm.Machine, jobs: Sequence[dict], bytes_scale: float = 1.0, compute_scale: float = 1.0,
-              dtype: str = "bfloat16", iterations: int = 6) -> dict[str, tuple[float, str | None]]:
+              dtype: str = "bfloat16", iterations: int = 6, fabric: fd.Fabric | None = None,
+              call_us: float = 0.0) -> dict[str, tuple[float, str | None]]:
   """Each job's predicted iteration time when `jobs` run together (one job: alone), and its dominant link."""
-  links = Links(machine, mm.fabric_of(machine))
+  links = Links(machine, fabric or mm.fabric_of(machine))
   cap = links.capacity()
   eb = ELEMENT_BYTES[dtype]
-  models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb) for j in jobs]
+  models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb, call_us)
+            for j in jobs]
   together = fj.run(models, cap, iterations)
   return {m.name: (fj.steady(together[m.name]), dominant_link(m, [x for x in models if x is not m], cap))
           for m in models}
 
 
 def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_scale: float = 1.0,
-                        compute_scale: float = 1.0, dtype: str = "bfloat16", iterations: int = 6) -> dict:
+                        compute_scale: float = 1.0, dtype: str = "bfloat16", iterations: int = 6,
+                        fabric: fd.Fabric | None = None, call_us: float = 0.0) -> dict:
   """`predict` for experiments in memory."""
   scales = dict(bytes_scale=bytes_scale, compute_scale=compute_scale, dtype=dtype, iterations=iterations)
+  fab = fabric or mm.fabric_of(machine)
+  model = dict(fabric=fab, call_us=call_us)
   alone: dict[tuple, float] = {}
   for e in experiments:
     for job in e["jobs"]:
       key = runner.key_of(job)
       if key not in alone:  # the baseline: the key's first job alone on its nodes
-        alone[key] = mix_times(machine, [job], **scales)[job["name"]][0]
+        alone[key] = mix_times(machine, [job], **scales, **model)[job["name"]][0]
   out_exps = {}
   per_key: dict[tuple, list[float]] = {}
   for e in experiments:
-    times = mix_times(machine, e["jobs"], **scales)
+    times = mix_times(machine, e["jobs"], **scales, **model)
     rows = []
     for j in e["jobs"]:
       key = runner.key_of(j)
@@ -182,10 +205,12 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
   keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
                                "alone_s": alone[k], "together_s_geomean": _geomean(v),
                                "sigma": _geomean(v) / alone[k]} for k, v in per_key.items()}
-  return {"fabric": mm.fabric_of(machine).describe(), "assumptions": list(fj.ASSUMPTIONS) + [
-              "a collective moves as NCCL's ring (all-to-all and permutes as direct sends); no latency term",
+  return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
+              "a collective moves as NCCL's ring (all-to-all and permutes as direct sends)",
+              f"a collective's latency: base {fab.base_us:g} us + ring steps x hop (network {fab.net_hop_us:g} us,"
+              f" scale-up {fab.scale_up_hop_us:g} us)" + (f" + {call_us:g} us per call" if call_us else ""),
               "the key's baseline is its first job alone on that job's nodes"],
-          "settings": scales, "experiments": out_exps, "keys": keys}
+          "settings": {**scales, "call_us": call_us}, "experiments": out_exps, "keys": keys}
 
 
 def _geomean(xs: Sequence[float]) -> float:
