@@ -8,6 +8,10 @@ Needs root (network namespaces). About 15-20 minutes on a 2-core machine:
 
 The scenarios are fixed here, before any result was seen, and no test tunes to them; a scenario the model
 gets wrong stays in the table.
+
+`--repredict=NAME` predicts every finished scenario again with the model as it is now (`--model_flags`, e.g.
+`--proxy_dtype=float32 --call_us=200000`) into RESULTS/NAME.json and tables those predictions against the
+measurements already there: a revised model checked on the same runs, after the fact (say so when quoting).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--only", default="", help="comma-separated scenario numbers (from 1)")
+  ap.add_argument("--repredict", default="", help="predict finished scenarios again into RESULTS/NAME.json")
+  ap.add_argument("--model_flags", default="", help="extra `predict` flags for --repredict (space-separated)")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
   only = {int(x) for x in a.only.split(",") if x}
@@ -90,11 +96,24 @@ def main() -> int:
     except OSError:
       rows.append((i, name, "-", None, None, "no report"))
       continue
+    again = None
+    if a.repredict:
+      tmp = os.path.join(a.out, f".{a.repredict}-s{i:02d}")
+      pred_flags = [f for f in flags if f.split("=")[0] in ("--bytes_scale", "--compute_scale")]
+      if study("predict", f"--plan={plan}", f"--out={tmp}", *pred_flags, *a.model_flags.split()).returncode:
+        continue
+      os.replace(os.path.join(tmp, "predicted.json"), os.path.join(res, f"{a.repredict}.json"))
+      os.rmdir(tmp)
+      with open(os.path.join(res, f"{a.repredict}.json"), encoding="utf-8") as f:
+        again = json.load(f)["keys"]
     for r in table:
       key = f"{r['strategy']} x{r['gpus']} {r['placement_class']}"
       measured = r.get("sigma", {}).get("sigma")
       ci = r.get("sigma", {})
       predicted = r.get("predicted", {}).get("sigma")
+      if again is not None:
+        name_of = f"{r['strategy']}-{r['model']}-g{r['gpus']}-{r['placement_class']}"
+        predicted = again.get(name_of, {}).get("sigma")
       interval = f"[{ci['low']:.3f}, {ci['high']:.3f}]" if ci.get("has_interval") else "none"
       rows.append((i, name, key, measured, predicted, interval))
   lines = ["| # | scenario | key | measured sigma [95% CI] | predicted | error |", "|---|---|---|---|---|---|"]
@@ -110,7 +129,8 @@ def main() -> int:
     lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%, worst"
                   f" {100 * max(errors):.1f}%"]
   text = "\n".join(lines) + "\n"
-  with open(os.path.join(a.out, "validation.md"), "w", encoding="utf-8") as f:
+  md = f"validation-{a.repredict}.md" if a.repredict else "validation.md"
+  with open(os.path.join(a.out, md), "w", encoding="utf-8") as f:
     f.write(text)
   print(text)
   return 0
