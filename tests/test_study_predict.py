@@ -115,3 +115,19 @@ def test_predict_fits_the_links_from_sweeps(tmp_path):
   assert any("fitted from sweeps: nic" in line for line in got["fabric"])
   bad = subprocess.run(cmd[:-1] + [f"--fit_from={tmp_path}"], capture_output=True, text=True, check=False, timeout=120)
   assert bad.returncode != 0 and "no meta.json there" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_jobs_whose_proxies_come_from_hlo_are_derived_and_predicted(tmp_path):
+  plan, res = tmp_path / "plan", tmp_path / "res"
+  study = [sys.executable, "-m", "microbench.cli.study"]
+  r = subprocess.run([*study, "plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3",
+                      "--derive=dp=gpt2-tiny", f"--out={plan}"], capture_output=True, text=True, check=False, timeout=120)
+  assert r.returncode == 0, r.stderr
+  with pytest.raises(ValueError, match="derive it first"):
+    predict.predict(str(plan))
+  r = subprocess.run([*study, "predict", f"--plan={plan}", f"--out={res}", "--compute_scale=0"],
+                     capture_output=True, text=True, check=False, timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert "deriving the schedules of 2 job(s) from their training steps' HLO (2 virtual devices)" in r.stderr
+  key = predict.read(str(res))["keys"]["dp-gpt2-tiny-g2-intra-group"]
+  assert key["sigma"] == pytest.approx(2.0) and key["alone_s"] > 0  # communication only, one uplink pair

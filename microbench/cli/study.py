@@ -425,8 +425,19 @@ def _predict() -> int:
       for run_dir in FLAGS.fit_from:
         fab, more = fabric_fit.fit_from_run(fab, run_dir)
         notes += more
+    derived = None
+    plan, experiments = runner.load_plan(FLAGS.plan)
+    need = predict.proxy_from_gpus(experiments)
+    if need:  # jobs whose proxies are read from HLO: compile their steps as `run` will (virtual CPU devices)
+      from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+      from microbench.cluster import machine as cluster_machine  # pylint: disable=g-import-not-at-top
+      cluster_machine.prepare_cpu_devices(Topology(1, 1, need), False)
+      import jax  # pylint: disable=g-import-not-at-top
+      say(f"deriving the schedules of {sum(1 for e in experiments for j in e['jobs'] if j.get('proxy_from'))} job(s)"
+          f" from their training steps' HLO ({need} virtual devices)")
+      derived = predict.derive_schedules(experiments, machines.Machine.from_json(plan["machine"]), jax.devices())
     pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype, fabric=fab,
-                           call_us=FLAGS.call_us)
+                           call_us=FLAGS.call_us, derived=derived)
   except (runner.RunError, machines.MachineError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   for line in notes:

@@ -12,6 +12,9 @@ it crosses (NCCL's tuning model; `fit_from` sweeps replace the described hops wi
 step), plus `call_us` per call if given. The baseline of a matching key is its first job alone on that job's
 nodes, as `run` measures it.
 
+A job whose proxy is derived from a model's HLO (`proxy_from`) gets the schedule `run` will derive
+(`derive_schedules`, compiling its training step once per model and size).
+
 Written to RESULTS/predicted.json before the run (the folder `run` then fills); `report` puts it beside the
 measured sigma.
 """
@@ -132,10 +135,38 @@ def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, 
   return fj.Job(name, programs)
 
 
-def _schedule(job: dict, machine: mm.Machine, bytes_scale: float, compute_scale: float) -> schedules.JobSchedule:
+Derived = dict[tuple[str, int], schedules.JobSchedule]  # (proxy_from, gpus) -> the schedule read from its HLO
+
+
+def derive_schedules(experiments: Sequence[dict], machine: mm.Machine, devices: Sequence) -> Derived:
+  """The HLO-derived schedules of the plan's `proxy_from` jobs, as `run` derives them (hlo_schedule.derive on
+  the first `gpus` of `devices`: virtual CPU devices, or a GPU kind's compile-only ones), each once."""
+  from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top  (compiles models)
+  out: Derived = {}
+  for e in experiments:
+    for job in e["jobs"]:
+      key = (job.get("proxy_from"), job["gpus"])
+      if key[0] and key not in out:
+        if len(devices) < job["gpus"]:
+          raise ValueError(f"job {job.get('name')}: deriving {key[0]} on {job['gpus']} ranks needs as many"
+                           f" devices; {len(devices)} here")
+        out[key] = hlo_schedule.derive(key[0], job["gpus"], gpu=machine.gpu, devices=list(devices)[:job["gpus"]])
+  return out
+
+
+def proxy_from_gpus(experiments: Sequence[dict]) -> int:
+  """The most ranks of any job whose proxy is derived from HLO (0: none): the devices `predict` needs."""
+  return max((j["gpus"] for e in experiments for j in e["jobs"] if j.get("proxy_from")), default=0)
+
+
+def _schedule(job: dict, machine: mm.Machine, bytes_scale: float, compute_scale: float,
+              derived: Derived | None = None) -> schedules.JobSchedule:
   if job.get("proxy_from"):
-    raise ValueError(f"job {job.get('name')}: predictions use the hand-written proxies; {job['proxy_from']} is"
-                     " derived from HLO at run time")
+    full = (derived or {}).get((job["proxy_from"], job["gpus"]))
+    if full is None:
+      raise ValueError(f"job {job.get('name')}: its proxy is derived from {job['proxy_from']}'s HLO; derive it"
+                       " first (predict.derive_schedules; `microbench-study predict` does)")
+    return full.scaled(bytes_scale, compute_scale)
   return schedules.build(job["strategy"], job["gpus"], machine.gpu, job["model"]).scaled(bytes_scale, compute_scale)
 
 
@@ -155,22 +186,23 @@ def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, f
 
 
 def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0, dtype: str = "bfloat16",
-            iterations: int = 6, fabric: fd.Fabric | None = None, call_us: float = 0.0) -> dict:
+            iterations: int = 6, fabric: fd.Fabric | None = None, call_us: float = 0.0,
+            derived: Derived | None = None) -> dict:
   """Predicted iteration times alone and in the mix, sigma per job and per matching key; `fabric` replaces
   the machine's described links (a fitted one, say)."""
   plan, experiments = runner.load_plan(plan_dir)
   return predict_experiments(mm.Machine.from_json(plan["machine"]), experiments, bytes_scale, compute_scale, dtype,
-                             iterations, fabric=fabric, call_us=call_us)
+                             iterations, fabric=fabric, call_us=call_us, derived=derived)
 
 
 def mix_times(machine: mm.Machine, jobs: Sequence[dict], bytes_scale: float = 1.0, compute_scale: float = 1.0,
               dtype: str = "bfloat16", iterations: int = 6, fabric: fd.Fabric | None = None,
-              call_us: float = 0.0) -> dict[str, tuple[float, str | None]]:
+              call_us: float = 0.0, derived: Derived | None = None) -> dict[str, tuple[float, str | None]]:
   """Each job's predicted iteration time when `jobs` run together (one job: alone), and its dominant link."""
   links = Links(machine, fabric or mm.fabric_of(machine))
   cap = links.capacity()
   eb = ELEMENT_BYTES[dtype]
-  models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale), j, links, eb, call_us)
+  models = [job_model(j["name"], _schedule(j, machine, bytes_scale, compute_scale, derived), j, links, eb, call_us)
             for j in jobs]
   together = fj.run(models, cap, iterations)
   return {m.name: (fj.steady(together[m.name]), dominant_link(m, [x for x in models if x is not m], cap))
@@ -179,11 +211,12 @@ def mix_times(machine: mm.Machine, jobs: Sequence[dict], bytes_scale: float = 1.
 
 def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_scale: float = 1.0,
                         compute_scale: float = 1.0, dtype: str = "bfloat16", iterations: int = 6,
-                        fabric: fd.Fabric | None = None, call_us: float = 0.0) -> dict:
+                        fabric: fd.Fabric | None = None, call_us: float = 0.0,
+                        derived: Derived | None = None) -> dict:
   """`predict` for experiments in memory."""
   scales = dict(bytes_scale=bytes_scale, compute_scale=compute_scale, dtype=dtype, iterations=iterations)
   fab = fabric or mm.fabric_of(machine)
-  model = dict(fabric=fab, call_us=call_us)
+  model = dict(fabric=fab, call_us=call_us, derived=derived)
   alone: dict[tuple, float] = {}
   for e in experiments:
     for job in e["jobs"]:
