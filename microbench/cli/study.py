@@ -106,8 +106,8 @@ flags.DEFINE_multi_string("jobs", None, "plan: a hand-written mix instead of a g
 flags.DEFINE_string("plan", None, "run: the plan folder written by `plan`.")
 flags.DEFINE_list("fit_from", [], "predict: sweep run folders whose alpha-beta fits replace the machine's link rates"
                   " and hop latencies, level by level (microbench-report --fit_from does the same).")
-flags.DEFINE_float("call_us", 0.0, "predict: a fixed cost per collective call on top of the fabric's latencies"
-                   " (software: ~10 us for NCCL, ms for gloo on the emulated cluster).", lower_bound=0)
+flags.DEFINE_float("call_us", 0.0, "predict, gpcnet: a fixed cost per collective call on top of the fabric's"
+                   " latencies (software: ~10 us for NCCL, ms for gloo on the emulated cluster).", lower_bound=0)
 flags.DEFINE_enum("backend", "local", ["local", "testbed", "slurm"], "run: where jobs run: local processes, the "
                   "emulated cluster (root; built for the plan's testbed machine unless --testbed_id), or srun steps "
                   "inside the current SLURM allocation.")
@@ -465,7 +465,8 @@ def _gpcnet() -> int:
   s = gpcnet.Settings(out_dir=FLAGS.out, iters=FLAGS.iters or 40, warmup=1 if FLAGS.warmup is None else FLAGS.warmup,
                       dtype=FLAGS.proxy_dtype, compute=FLAGS.compute, bytes_scale=FLAGS.bytes_scale,
                       compute_scale=FLAGS.compute_scale, congestor_seconds=FLAGS.congestor_seconds,
-                      seed=FLAGS.seed, grace=FLAGS.grace, walltime=FLAGS.walltime, resamples=FLAGS.resamples)
+                      seed=FLAGS.seed, call_us=FLAGS.call_us, grace=FLAGS.grace, walltime=FLAGS.walltime,
+                      resamples=FLAGS.resamples)
   try:
     machine = machines.parse(FLAGS.machine, FLAGS.node_map)
     canary = gpcnet.parse_canary(FLAGS.canary, machine)

@@ -4,7 +4,8 @@ form the proxy executor runs (`proxy.py`) and the flow model predicts (`predict.
 One iteration is one round of the pattern, every rank's message `message_bytes` (nccl-tests' S):
 - alltoall: an all-to-all over the job (S/n to every other rank);
 - incast: every rank but rank 0 sends S to rank 0 at once (one two-rank communicator per sender, all
-  started, then waited for: many-to-one into one NIC);
+  started, then waited for: many-to-one into one NIC, as NCCL runs separate communicators at once; XLA:CPU
+  runs the root's programs in order, so there the senders take turns - measured, BUILD_NOTES);
 - broadcast: S from rank 0 along a chain 0 -> 1 -> ... -> n-1, every hop at once, as NCCL's pipelined ring
   broadcast moves it; run as one collective-permute along the chain, so every platform moves a broadcast's
   bytes (XLA:CPU has no broadcast and would run a masked all-reduce, twice the bytes);

@@ -152,6 +152,7 @@ class Settings:
   compute_scale: float = 1.0
   congestor_seconds: float = 1.0  # a congestor round alone lasts this long under the model (unless sized)
   seed: int = 0
+  call_us: float = 0.0  # the model's fixed cost per collective call (predict --call_us)
   grace: float = 10.0
   walltime: float = 600.0
   resamples: int = 2000
@@ -171,25 +172,28 @@ def schedule(spec: Spec, machine: mm.Machine, s: Settings) -> schedules.JobSched
 
 
 def _model(spec: Spec, machine: mm.Machine, s: Settings, links: pr.Links) -> fj.Job:
-  return pr.job_model(spec.name, schedule(spec, machine, s), spec.job(machine), links, pr.ELEMENT_BYTES[s.dtype])
+  return pr.job_model(spec.name, schedule(spec, machine, s), spec.job(machine), links, pr.ELEMENT_BYTES[s.dtype],
+                      s.call_us)
 
 
 def size_congestors(machine: mm.Machine, given: Sequence[tuple[str, int | None, tuple[int, ...]]],
                     s: Settings) -> list[Spec]:
   """Congestor specs with their message size: given, or so one round alone takes `congestor_seconds` on the
-  described links (the model has no latency term: time is bytes / rate, so one trial size scales)."""
+  described links (a round is latency + bytes / rate under the model: two trial sizes give both)."""
   links = pr.Links(machine, mm.fabric_of(machine))
   cap = links.capacity()
   out = []
   for i, (kind, size, nodes) in enumerate(given):
     spec = Spec(f"c{i}-{kind}", "congestor", kind, nodes, size)
     if size is None:
-      trial = dataclasses.replace(spec, message_bytes=1 << 20)
-      t = fj.steady(fj.run([_model(trial, machine, s, links)], cap, 3)[spec.name])
-      if not t > 0:
+      t1, t2 = (fj.steady(fj.run([_model(dataclasses.replace(spec, message_bytes=b), machine, s, links)], cap,
+                                  3)[spec.name]) for b in (1 << 20, 2 << 20))
+      per_byte = (t2 - t1) / (1 << 20)
+      if not per_byte > 0:
         raise GpcnetError(f"congestor {kind}@{','.join(map(str, nodes))} crosses no link with a rate: give its "
                           f"size ({kind}:SIZE@NODES)")
-      size = max(4096, int((1 << 20) * s.congestor_seconds / t) // 4096 * 4096)
+      latency = max(0.0, t1 - per_byte * (1 << 20))
+      size = max(4096, int(max(s.congestor_seconds - latency, 0.0) / per_byte) // 4096 * 4096)
       spec = dataclasses.replace(spec, message_bytes=size)
     out.append(spec)
   return out
@@ -213,7 +217,7 @@ def prediction(machine: mm.Machine, canary: Spec, congs: Sequence[Spec], s: Sett
           "shared_links": shared, "dominant_link": pr.dominant_link(c, others, cap),
           "fabric": "; ".join(mm.fabric_of(machine).describe()),
           "assumptions": list(fj.ASSUMPTIONS) + [
-              "a collective moves as NCCL's ring (all-to-all, permutes and incast as direct sends); no latency term",
+              "a collective moves as NCCL's ring (all-to-all, permutes and incast as direct sends)",
               "the model is deterministic: its factor stands for the mean and the p99 alike"]}
 
 
