@@ -52,9 +52,9 @@ def test_patterns_follow_the_study():
   feasible = frozenset({8, 16, 32, 64, 224, 256, 512, 1024})
   assert gen.pattern_a(2040, 10, 8, feasible) == []  # 2040 / k is never a job size
   assert gen.pattern_a(1024, 8, 8, feasible) == [(512, 512), (256,) * 4]
-  e = gen.pattern_e(2040, 255, 8, 1, feasible, random.Random(1))
+  e = gen.pattern_e(2040, 255, 8, gen.TIERS, 1, feasible, random.Random(1))
   assert e == tuple(sorted(e, reverse=True)) and sum(e) <= 2040 and set(e) <= feasible
-  assert gen.pattern_e(2040, 255, 8, 1, feasible, random.Random(1)) == e  # seeded
+  assert gen.pattern_e(2040, 255, 8, gen.TIERS, 1, feasible, random.Random(1)) == e  # seeded
   b = gen.pattern_b(1024, 8, 8, 0.5, feasible)
   assert b and all(p[i] >= p[i + 1] for p in b for i in range(len(p) - 1))
   d = gen.pattern_d(1024, 1024, 3, 8, 1.2, feasible)
@@ -64,8 +64,8 @@ def test_patterns_follow_the_study():
 def test_machine_levels_and_presets():
   leo = mm.parse("leonardo")
   assert (leo.q1, leo.q2, leo.q3, leo.total_gpus) == (4, 40, 720, 2040)
-  lumi = mm.parse("lumi")
-  assert (lumi.q1, lumi.q2, lumi.q3) == (8, 128, 15744)
+  lumi = mm.parse("lumi")  # JobPlacer's LUMI.toml switches and cabinets; the artifact's q2/q3 for the classes
+  assert (lumi.q1, lumi.q2, lumi.q3, lumi.class_q2, lumi.class_q3) == (8, 64, 1024, 128, 15744)
   tb = mm.parse("testbed:racks=4,hosts_per_rack=2,groups=2")
   assert (tb.nodes, tb.q1, tb.q2, tb.q3, len(tb.groups())) == (8, 1, 2, 4, 2)
   assert tb.l1_of(5) == 2 and tb.group_of(5) == 1
@@ -157,8 +157,10 @@ def test_generate_is_seeded_and_covers_bins():
     flat = [n for j in e["jobs"] for n in j["nodes"]]
     assert len(flat) == len(set(flat)) and sum(j["gpus"] for j in e["jobs"]) <= m.total_gpus
     assert e["placement_score"] == pytest.approx(
+        sum(mm.CLASSES[c] for c in e["placement_class_vector"]) / len(e["jobs"]), abs=1e-4)
+    assert e["formed_score"] == pytest.approx(
         sum(mm.CLASSES[j["placement_class"]] for j in e["jobs"]) / len(e["jobs"]), abs=1e-4)
-    assert all(mm.classify(m, j["nodes"]) == j["placement_class"] for j in e["jobs"] if len(j["nodes"]) > 1)
+    assert all(mm.satisfies(m, j["nodes"], j["placement_class"]) for j in e["jobs"] if len(j["nodes"]) > 1)
   # the 3x3 grid is interleaved, so a capped prefix spans as many cells as it can
   capped, _ = gen.generate(_settings(max_experiments=4))
   assert [e["id"] for e in capped] == ["e000", "e001", "e002", "e003"]

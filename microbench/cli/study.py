@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 
 from absl import app, flags
@@ -31,8 +32,9 @@ flags.DEFINE_string("model", None, "proxy/schedule: the proxy's model shape (def
                     "strategy: vit-h, llama3-8b, minerva-7b, llama3-70b, mixtral-8x7b).")
 flags.DEFINE_string("gpu", "A100", "GPU whose roofline times the emulated compute: A100, H100, H200, GH200, "
                     "B200, B300, GB300, MI250X.")
-flags.DEFINE_integer("gpus", None, "proxy/schedule: ranks in the job (proxy default: the process count).",
-                     lower_bound=1)
+flags.DEFINE_integer("gpus", None, "proxy/schedule: ranks in the job (proxy default: the process count). plan: "
+                     "the design's GPUs (the artifact's -G; default: the machine's; spare nodes are room for the "
+                     "placer).", lower_bound=1)
 flags.DEFINE_string("proxy_from", None, "proxy/schedule: MODEL,STRATEGY (e.g. llama3-8b,fsdp or gpt2-tiny,dp): "
                     "take the collective schedule from the compiled HLO of microbench-train's step instead.")
 flags.DEFINE_integer("batch", None, "proxy_from: global batch of the training step (default 16 per data rank).",
@@ -75,6 +77,9 @@ flags.DEFINE_string("machine", "testbed", "plan: leonardo, lumi, alps, jupiter, 
                     "host_rate=400mbit,uplink_rate=100mbit; custom:gpus_per_node=4,nodes_per_l1=10,l1_per_group=18,"
                     "nodes=64,gpu=H100.")
 flags.DEFINE_string("node_map", None, "plan: file of `hostname group l1` lines describing the allocation's nodes.")
+flags.DEFINE_string("slurm_topology", None, "plan inside a SLURM allocation: `auto` reads `scontrol show "
+                    "topology`, or a topology.conf path; the allocation's hosts (SLURM_JOB_NODELIST) and their "
+                    "switches become the machine's nodes (leaf switch = L1, its parent = group).")
 flags.DEFINE_list("patterns", ["A", "E"], "plan: allocation pattern families (A equal split, E stochastic tiers; "
                   "B geometric, C hierarchical, D power law).")
 flags.DEFINE_float("rho_min", 0.8, "plan: lowest utilisation (share of the machine's GPUs allocated).")
@@ -263,14 +268,15 @@ def _plan() -> int:
   if not FLAGS.out:
     raise app.UsageError("--out=FOLDER is required (the plan's folder)")
   try:
-    machine = machines.parse(FLAGS.machine, FLAGS.node_map)
+    machine = machines.parse(FLAGS.machine, FLAGS.node_map, _allocation_layout() if FLAGS.slurm_topology else None)
     settings = generator.Settings(
         machine, patterns=tuple(p.strip().upper() for p in FLAGS.patterns), rho_min=FLAGS.rho_min,
         rho_max=FLAGS.rho_max, rho_steps=FLAGS.rho_steps, size_divisor=FLAGS.size_divisor,
         strategies=tuple(FLAGS.strategies or workloads.STRATEGIES), g_min=FLAGS.g_min, k_max=FLAGS.k_max,
         n_stochastic=FLAGS.stochastic_patterns, n_per_bin=FLAGS.samples_per_bin,
         n_placement_per_bin=FLAGS.placement_samples_per_bin, enum_threshold=FLAGS.enum_threshold,
-        placement_cuts=(1.67, FLAGS.placement_med_hi), max_experiments=FLAGS.max_experiments, seed=FLAGS.seed)
+        placement_cuts=(1.67, FLAGS.placement_med_hi), max_experiments=FLAGS.max_experiments, seed=FLAGS.seed,
+        gpus=FLAGS.gpus)
     if FLAGS.jobs:
       experiments, dropped = [generator.manual(machine, [_job_spec(j) for j in FLAGS.jobs])], {}
     else:
@@ -287,7 +293,30 @@ def _plan() -> int:
   for e in experiments:
     jobs = " ".join(f"{j['strategy']}x{j['gpus']}@{j['placement_class']}" for j in e["jobs"])
     print(f"{e['id']}  {e['pattern']['id']:7s} H={e['entropy_bin']:6s} P={e['placement_bin']:6s}  {jobs}")
+  tiers = {t: n for t, n in json.load(open(path, encoding="utf-8"))["placement"]["tiers"].items() if n}
+  if tiers:
+    say(f"placer tiers (experiments): {tiers}; every job records requested_class, placement_class (what its"
+        " nodes form) and fallback")
   return 0
+
+
+def _allocation_layout() -> tuple:
+  """The current SLURM allocation's hosts, in order, with their switches (--slurm_topology)."""
+  from microbench.study import machines  # pylint: disable=g-import-not-at-top
+  nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+  if not nodelist:
+    raise machines.MachineError("--slurm_topology plans inside an allocation, but SLURM_JOB_NODELIST is not set")
+  try:
+    hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                           check=True).stdout.split()
+    if FLAGS.slurm_topology == "auto":
+      text = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, check=True).stdout
+    else:
+      with open(FLAGS.slurm_topology, encoding="utf-8") as f:
+        text = f.read()
+  except (OSError, subprocess.CalledProcessError) as e:
+    raise machines.MachineError(f"cannot read the allocation's topology: {e}") from None
+  return machines.allocation_layout(hosts, machines.read_slurm_topology(text))
 
 
 def _place() -> int:
@@ -466,7 +495,7 @@ def _gpcnet() -> int:
                       dtype=FLAGS.proxy_dtype, compute=FLAGS.compute, bytes_scale=FLAGS.bytes_scale,
                       compute_scale=FLAGS.compute_scale, congestor_seconds=FLAGS.congestor_seconds,
                       seed=FLAGS.seed, call_us=FLAGS.call_us, grace=FLAGS.grace, walltime=FLAGS.walltime,
-                      resamples=FLAGS.resamples)
+                      resamples=FLAGS.resamples, backend=FLAGS.backend if FLAGS.measure else "")
   try:
     machine = machines.parse(FLAGS.machine, FLAGS.node_map)
     canary = gpcnet.parse_canary(FLAGS.canary, machine)

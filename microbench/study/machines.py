@@ -43,6 +43,10 @@ class Machine:
   gpu: str = "A100"
   size_table: str = "concurrent"  # which of the study's job-size tables applies (dgx: one 8-GPU node)
   g_min: int | None = None  # smallest job (default max(8, 2 q1), scaled with the sizes)
+  # The generator's capacities for intra-l1 and intra-group jobs, in GPUs (0: q2 and q3). The artifact's LUMI
+  # command gives q2 = 128, q3 = 15744 while JobPlacer's LUMI.toml has 8-node switch pairs in 124-node groups.
+  class_q2_gpus: int = 0
+  class_q3_gpus: int = 0
   # An explicit allocation: per node (hostname, group, l1); empty means "fill switches in order".
   layout: tuple[tuple[str, int, int], ...] = ()
   # The emulated cluster's links (testbed only).
@@ -60,6 +64,14 @@ class Machine:
   @property
   def q3(self) -> int:
     return self.q2 * self.l1_per_group
+
+  @property
+  def class_q2(self) -> int:
+    return self.class_q2_gpus or self.q2
+
+  @property
+  def class_q3(self) -> int:
+    return self.class_q3_gpus or self.q3
 
   @property
   def total_gpus(self) -> int:
@@ -114,8 +126,11 @@ def _shape(system: str) -> dict:
 PRESETS: dict[str, dict] = {
     # Dragonfly+: 18 L1 switches x 10 nodes per group, 4 A100 per node; the study ran 510 nodes.
     "leonardo": dict(_shape("leonardo"), nodes=510),
-    # 8 MI250X GCDs per node; the study's q2/q3 = 128/15744 GPUs, g_min 16; 320 nodes.
-    "lumi": dict(_shape("lumi"), nodes=320, g_min=16),
+    # 8 MI250X GCDs per node, g_min 16, 320 nodes, the 8-GPU extended table (the artifact's LUMI command).
+    # Nodes and switches as JobPlacer's systems/LUMI.toml: cabinets (Dragonfly groups) of 124 nodes under 16
+    # switch pairs of 8 nodes; the generator's capacities stay the command's q2/q3 = 128/15744 GPUs.
+    "lumi": dict(_shape("lumi"), nodes_per_l1=8, l1_per_group=16, nodes=320, g_min=16, size_table="extended",
+                 class_q2_gpus=128, class_q3_gpus=15744),
     # Slingshot groups of ~84-112 nodes, virtual switches of ~7 nodes; 4 GH200 per node; 330 nodes.
     "alps": dict(_shape("alps"), nodes=330),
     # 240-node groups (5 racks x 3 L1 x 16 nodes), 4 GH200 per node; 650 nodes.
@@ -127,14 +142,16 @@ PRESETS: dict[str, dict] = {
                     host_rate="400mbit", uplink_rate="100mbit"),
 }
 _INT_KEYS = ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes", "g_min", "racks", "hosts_per_rack",
-             "groups")
+             "groups", "class_q2_gpus", "class_q3_gpus")
 _KEYS = _INT_KEYS + ("gpu", "size_table", "host_rate", "uplink_rate")
 
 
-def parse(spec: str, node_map: str | None = None) -> Machine:
+def parse(spec: str, node_map: str | None = None,
+          layout: tuple[tuple[str, int, int], ...] | None = None) -> Machine:
   """`leonardo`, `leonardo:nodes=64`, `testbed:racks=4,hosts_per_rack=2`, or `custom:gpus_per_node=4,
   nodes_per_l1=10,l1_per_group=18,nodes=64`; `node_map` (a file of `hostname group l1` lines) describes the
-  allocation's real nodes instead of filling switches in order."""
+  allocation's real nodes instead of filling switches in order; so does `layout` (those rows, read from
+  SLURM: `allocation_layout`)."""
   name, _, rest = spec.strip().partition(":")
   name = name.lower()
   if name not in PRESETS and name != "custom":
@@ -173,8 +190,8 @@ def parse(spec: str, node_map: str | None = None) -> Machine:
   if kw.get("size_table", "concurrent") not in ("concurrent", "extended", "dgx"):
     raise MachineError("size_table must be concurrent, extended or dgx")
   kw["gpu"] = wl.gpu(kw.get("gpu", "A100")).name
-  if node_map:
-    kw["layout"] = read_node_map(node_map)
+  if node_map or layout:
+    kw["layout"] = tuple(layout) if layout else read_node_map(node_map)
     kw["nodes"] = len(kw["layout"])
   return Machine(name=name, **kw)
 
@@ -259,14 +276,92 @@ def feasible_classes(machine: Machine, strategy: str, gpus: int) -> list[str]:
 
 def classify(machine: Machine, nodes: list[int]) -> str:
   """The placement class a concrete node list has: one L1 switch; one group or several; and whether the
-  nodes come in chunks of 4 or 2 per L1 switch (consecutive ranks sharing a switch)."""
+  nodes come in chunks of 4 or 2 consecutive ranks' nodes under one L1 switch each (several chunks may share
+  a switch, as JobPlacer packs them; the job spans two switches or more)."""
   if len({machine.l1_of(n) for n in nodes}) == 1:
     return "intra-l1"
   scope = "intra-group" if len({machine.group_of(n) for n in nodes}) == 1 else "inter-group"
   for chunk in (4, 2):
     if len(nodes) % chunk == 0 and len(nodes) > chunk:
       parts = [nodes[i:i + chunk] for i in range(0, len(nodes), chunk)]
-      switches = [{machine.l1_of(n) for n in p} for p in parts]
-      if all(len(s) == 1 for s in switches) and len({next(iter(s)) for s in switches}) == len(parts):
+      if all(len({machine.l1_of(n) for n in p}) == 1 for p in parts):
         return f"{scope}-same-l1-{chunk}"
   return scope
+
+
+def satisfies(machine: Machine, nodes: list[int], name: str) -> bool:
+  """Whether a node list (in rank order) has the properties of class `name`: one switch; two or more
+  switches of one group; two groups or more; same-l1-N: besides, every N consecutive ranks' nodes under one
+  switch (blocks may share a switch)."""
+  l1s = {machine.l1_of(n) for n in nodes}
+  if name == "intra-l1":
+    return len(l1s) == 1
+  groups = {machine.group_of(n) for n in nodes}
+  if len(l1s) < 2 or (len(groups) == 1) != name.startswith("intra-group"):
+    return False
+  chunk = same_l1_chunk(name)
+  if not chunk:
+    return True
+  return len(nodes) % chunk == 0 and all(len({machine.l1_of(n) for n in nodes[i:i + chunk]}) == 1
+                                         for i in range(0, len(nodes), chunk))
+
+
+def expand_hostlist(text: str) -> list[str]:
+  """SLURM's compressed host list (`nid00[5000-5002,5007],login1`) as names, in order."""
+  out: list[str] = []
+  depth, cur, items = 0, "", []
+  for ch in text.strip():
+    if ch == "," and depth == 0:
+      items.append(cur)
+      cur = ""
+      continue
+    depth += (ch == "[") - (ch == "]")
+    cur += ch
+  items.append(cur)
+  for item in filter(None, (x.strip() for x in items)):
+    if "[" not in item:
+      out.append(item)
+      continue
+    head, _, rest = item.partition("[")
+    body, _, tail = rest.partition("]")
+    for part in body.split(","):
+      lo, dash, hi = part.partition("-")
+      if not dash:
+        out += [h + t for h in [head + lo] for t in expand_hostlist(tail) or [""]]
+        continue
+      for i in range(int(lo), int(hi) + 1):
+        out += [head + str(i).zfill(len(lo)) + t for t in (expand_hostlist(tail) or [""])]
+  return out
+
+
+def read_slurm_topology(text: str) -> dict[str, tuple[str, str]]:
+  """host -> (group, L1 switch) from `scontrol show topology` output or a topology.conf (topology/tree): a
+  leaf switch (one that lists Nodes= and no Switches=) is the host's L1; the switch that lists the leaf among
+  its Switches= is its group (in a two-level tree, the core: one group); a leaf no switch lists is its own
+  group."""
+  leaves: dict[str, list[str]] = {}
+  parents: dict[str, str] = {}
+  for line in text.splitlines():
+    line = line.split("#")[0].strip()
+    fields = dict(t.split("=", 1) for t in line.split() if "=" in t)
+    name = fields.get("SwitchName")
+    if not name:
+      continue
+    if "Switches" in fields:
+      for child in expand_hostlist(fields["Switches"]):
+        parents.setdefault(child, name)
+    elif "Nodes" in fields:
+      leaves[name] = expand_hostlist(fields["Nodes"])
+  return {h: (parents.get(leaf, leaf), leaf) for leaf, hosts in leaves.items() for h in hosts}
+
+
+def allocation_layout(hosts: list[str], topology: dict[str, tuple[str, str]]) -> tuple[tuple[str, int, int], ...]:
+  """The allocation's hosts (in order) as node-map rows (hostname, group, l1), groups and switches numbered
+  in order of first appearance. MachineError names a host the topology does not list."""
+  missing = [h for h in hosts if h not in topology]
+  if missing:
+    raise MachineError(f"SLURM's topology lists no switch for host(s) {', '.join(missing[:5])}")
+  groups: dict[str, int] = {}
+  l1s: dict[str, int] = {}
+  return tuple((h, groups.setdefault(topology[h][0], len(groups)), l1s.setdefault(topology[h][1], len(l1s)))
+               for h in hosts)
