@@ -156,6 +156,7 @@ class Settings:
   grace: float = 10.0
   walltime: float = 600.0
   resamples: int = 2000
+  backend: str = ""  # where it ran (said in the report: the local backend shares no described link)
 
 
 def schedule(spec: Spec, machine: mm.Machine, s: Settings) -> schedules.JobSchedule:
@@ -389,6 +390,9 @@ def markdown(res: dict) -> str:
       lines.append("Share of the canary's congested run with a congestor round in flight: "
                    + ", ".join(f"{k} {100 * v:.0f}%" for k, v in cover.items()) + ".")
     lines += [f"- {n}" for n in imp["notes"]]
+    if res["settings"].get("backend") == "local":
+      lines.append("- backend local: every rank ran on this machine, over no described link; the prediction is "
+                   "for the machine's fabric, the measurement for this host's CPUs and loopback")
   else:
     lines.append("Not measured (prediction only).")
   lines += ["", "Model assumptions: " + "; ".join(p["assumptions"]) + "."]
