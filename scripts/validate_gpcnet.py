@@ -2,7 +2,7 @@
 kind, placed across the canary's rack uplinks and inside other racks; measured CIF (mean, p99) against the
 flow model's prediction. The table goes to OUT/validation.md and stdout.
 
-Needs root (network namespaces). About 5-8 minutes on a 2-core machine:
+Needs root (network namespaces). About 6 minutes on a 2-core machine:
 
   sudo .venv/bin/python scripts/validate_gpcnet.py --out=/tmp/gpcnet_validation
 
@@ -22,6 +22,7 @@ import time
 
 MACHINE = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 CANARY = "all_reduce:1M@0,2"
+M12 = "testbed:racks=4,hosts_per_rack=3,host_rate=400mbit,uplink_rate=100mbit"
 # (name, canary, congestor specs, extra flags)
 SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
     ("alltoall across the canary's uplinks", CANARY, ["alltoall@1,3"], []),
@@ -33,8 +34,13 @@ SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
     ("broadcast inside rack 2", CANARY, ["broadcast@4,5"], []),
     ("permutation inside rack 3", CANARY, ["permutation@6,7"], []),
     ("DP proxy canary, alltoall across", "dp@0,2", ["alltoall@1,3"], ["--bytes_scale=0.005", "--iters=15"]),
+    # Added after the first table: GPCNeT's layout, the four kinds at once on 12 hosts (4 racks x 3).
+    ("all four kinds at once, inside other racks (spread)", "all_reduce:1M@0,3",
+     ["alltoall,incast,broadcast,permutation"], [f"--machine={M12}"]),
+    ("all four kinds at once, across the canary's uplinks", "all_reduce:1M@0,3",
+     ["alltoall@1,4", "incast@2,6,9", "broadcast@5,7", "permutation@8,10,11"], [f"--machine={M12}"]),
 ]
-DEFAULT = ["--iters=30", "--proxy_dtype=float32", "--grace=5"]
+DEFAULT = [f"--machine={MACHINE}", "--iters=30", "--proxy_dtype=float32", "--grace=5"]
 
 
 def main() -> int:
@@ -53,7 +59,7 @@ def main() -> int:
     given = {f.split("=")[0] for f in extra}
     flags = extra + [f for f in DEFAULT if f.split("=")[0] not in given]
     if not (os.path.exists(path) and "impact" in json.load(open(path, encoding="utf-8"))):
-      cmd = [sys.executable, "-m", "microbench.cli.study", "gpcnet", f"--machine={MACHINE}", f"--canary={canary}",
+      cmd = [sys.executable, "-m", "microbench.cli.study", "gpcnet", f"--canary={canary}",
              *[f"--congestors={c}" for c in congs], "--backend=testbed", *flags, f"--out={out}"]
       t0 = time.time()
       r = subprocess.run(cmd, capture_output=True, text=True, check=False)
