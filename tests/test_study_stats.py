@@ -89,3 +89,41 @@ def test_slowdowns_and_comm_share():
   assert math.isnan(stats.comm_share([]))
   with pytest.raises(ValueError):
     stats.geomean([1.0, 0.0])
+
+
+def test_bootstrap_interval_holds_sigma_where_the_studys_does_not():
+  """Issue 20's case: 17 baseline samples of 1.0 and 3 of 100 against a concurrent median of 1: sigma is the
+  baseline geomean, 100^(3/20) = 1.995; the study's interval pairs the baseline median's CI ([1, 1]) with it and
+  misses it; the bootstrap of the same statistic holds it."""
+  base, conc = [1.0] * 17 + [100.0] * 3, [1.0] * 20
+  s = stats.sigma(base, conc)
+  assert s.sigma == pytest.approx(1.995, abs=1e-3)
+  assert (s.low, s.high) == (1.0, 1.0)  # the artifact's figure, kept
+  assert s.boot_low <= s.sigma <= s.boot_high and s.boot_high > 3
+  assert stats.bootstrap_ci(base, conc) == (s.boot_low, s.boot_high)  # seeded
+  # a symmetric case: the bootstrap interval holds sigma and lies inside the study's, which pairs the two
+  # medians' intervals at their extremes (1.91-2.09 inside 1.81-2.21 here)
+  even = stats.sigma([10.0 + 0.1 * i for i in range(20)], [5.0 + 0.05 * i for i in range(20)])
+  assert even.low < even.boot_low < even.sigma < even.boot_high < even.high
+
+
+def test_sigma_per_experiment():
+  base = [10.0] * 8
+  per = stats.per_experiment(base, {"e000": [5.0] * 8, "e001": [10.0] * 8, "e002": []})
+  assert set(per) == {"e000", "e001"}
+  assert per["e000"].sigma == pytest.approx(2.0) and per["e001"].sigma == pytest.approx(1.0)
+
+
+def test_baselines_time_their_warmup_iteration():
+  """The artifact's baselines run 0 warm-up + (1 + R) iterations; concurrent jobs 1 + R with the first untimed."""
+  from microbench.study import generator as gen
+  from microbench.study import machines, runner
+  job = gen.job_entry("j0", "dp", 2, "intra-l1", [0, 1])
+  m, s = machines.parse("testbed"), runner.RunSettings("p", "o")
+  base = runner.proxy_command(job, m, s, "raw", "t", baseline=True)
+  conc = runner.proxy_command(job, m, s, "raw", "t")
+  assert "--iters=7" in base and "--warmup=0" in base  # DP: R = 6
+  assert "--iters=6" in conc and "--warmup=1" in conc
+  given = runner.proxy_command(job, m, runner.RunSettings("p", "o", iters=8, warmup=2), "raw", "t", baseline=True)
+  assert "--iters=8" in given and "--warmup=2" in given
+  assert runner.RunSettings("p", "o").walltime == 200.0

@@ -573,6 +573,11 @@ def generate(s: Settings) -> tuple[list[dict], dict]:
       dropped["unplaceable"] += 1
       continue
     placed, tier, used_seed = got
+    # Ranks fill a job's nodes in the machine's node order: srun puts a step's task r on its r-th node in
+    # SLURM's order (the allocation's order here), whatever order the list is given in. Blocks of a
+    # same-l1-N job stay blocks when the allocation lists a switch's nodes together (presets do); the class
+    # recorded is what the sorted list forms.
+    placed = [dataclasses.replace(p, nodes=sorted(p.nodes)) for p in placed]
     nodes = [p.nodes for p in placed]
     slots = placement.first_slots(m, pat.slots, nodes)
     jobs = []

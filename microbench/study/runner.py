@@ -51,7 +51,7 @@ class RunSettings:
   warmup: int | None = None  # None: the study's (1)
   baseline_repeats: int = 1
   small_job_threshold: int = 0
-  walltime: float = 600.0
+  walltime: float = 200.0  # the artifact's concurrent.yaml
   grace: float = 30.0
   max_failures: int = 3
   dtype: str = "bfloat16"
@@ -114,11 +114,17 @@ def units(experiments: Sequence[dict], baselines: bool = True, only: Sequence[st
   return out
 
 
-def proxy_command(job: dict, machine: mm.Machine, s: RunSettings, raw: str, tag: str) -> list[str]:
+def proxy_command(job: dict, machine: mm.Machine, s: RunSettings, raw: str, tag: str, baseline: bool = False
+                  ) -> list[str]:
+  """The proxy's command line. A baseline times its warm-up iteration too (the artifact's baselines run 0
+  warm-up + (1 + R) iterations), unless --warmup is given."""
   st = wl.strategy(job["strategy"])
+  iters, warmup = s.iters or st.runs, st.warmup if s.warmup is None else s.warmup
+  if baseline and s.warmup is None:
+    iters, warmup = iters + warmup, 0
   cmd = [sys.executable, "-m", "microbench.cli.study", "proxy", f"--strategy={st.name}", f"--model={job['model']}",
-         f"--gpu={machine.gpu}", f"--gpus={job['gpus']}", f"--iters={s.iters or st.runs}",
-         f"--warmup={st.warmup if s.warmup is None else s.warmup}", f"--compute={s.compute}",
+         f"--gpu={machine.gpu}", f"--gpus={job['gpus']}", f"--iters={iters}", f"--warmup={warmup}",
+         f"--compute={s.compute}",
          f"--compute_scale={s.compute_scale}", f"--bytes_scale={s.bytes_scale}", f"--proxy_dtype={s.dtype}",
          f"--out={raw}", f"--label={tag}"]
   if job.get("proxy_from"):
@@ -159,8 +165,8 @@ class UnitRunner:
     self.counts[j] += 1
     tag = f"{self.unit.id}.{job['name']}.{n}"
     raw = os.path.join(self.raw_dir, f"{job['name']}.{n}.jsonl")
-    procs = self.backend.procs(job, proxy_command(job, self.machine, self.s, raw, tag), tag,
-                               os.path.join(self.log_dir, f"{job['name']}.{n}"))
+    command = proxy_command(job, self.machine, self.s, raw, tag, baseline=self.unit.kind == "baseline")
+    procs = self.backend.procs(job, command, tag, os.path.join(self.log_dir, f"{job['name']}.{n}"))
     for p in procs:
       launch.start(p)
     inst = Instance(j, n, procs, raw, time.monotonic())
