@@ -205,7 +205,7 @@ class GroupInputs:
     count, n, k = self.count, self.n, self.k
     offset = self.run * count
     start = _repeat((((np.arange(n, dtype=np.int64) + offset) * k) % n).astype(np.int32), count)
-    h = _constants(1 << 24)[0][(np.arange(PERIOD) + 977 * self.group_index) % PERIOD]
+    h = _constants(1 << 24)[0][(np.arange(min(PERIOD, count)) + 977 * self.group_index) % PERIOD]  # no more than used
     q = _repeat((1 + h % self.q_max).astype(np.int32), count)
     modulus, g = _modulus(self.dtype), GROUP_STEP * self.group_index
     if self.chunk:
