@@ -91,6 +91,18 @@ def by_key(samples: list[Sample]) -> dict[tuple, KeyResult]:
   return out
 
 
+def per_experiment(samples: list[Sample]) -> dict[tuple, dict[str, stats.Sigma]]:
+  """sigma per key and experiment (the artifact's unit): each mix's samples against the key's baseline."""
+  base: dict[tuple, list[float]] = {}
+  conc: dict[tuple, dict[str, list[float]]] = {}
+  for s in samples:
+    if s.kind == "baseline":
+      base.setdefault(s.key, []).append(s.throughput)
+    elif s.experiment:
+      conc.setdefault(s.key, {}).setdefault(s.experiment, []).append(s.throughput)
+  return {k: stats.per_experiment(base[k], v) for k, v in conc.items() if k in base}
+
+
 def slowdowns(samples: list[Sample], keys: dict[tuple, KeyResult]) -> list[tuple[Sample, float]]:
   """Each concurrent sample with its slowdown in % against its key's baseline geomean."""
   out = []
@@ -296,11 +308,15 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
   md = markdown(keys, units, cells, scaling, pngs, note, predicted)
   with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
     f.write(md)
+  per_exp = per_experiment(samples)
   table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
             "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
             "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
             **({"sigma": dict(dataclasses.asdict(k.sigma), has_interval=k.sigma.has_interval,
                               excludes_one=k.sigma.excludes_one)} if k.sigma else {}),
+            **({"per_experiment": {e: {f: getattr(x, f) for f in ("sigma", "low", "high", "boot_low", "boot_high",
+                                                                 "n_concurrent")}
+                                   for e, x in sorted(per_exp[k.key].items())}} if k.key in per_exp else {}),
             **({"predicted": predicted["keys"][runner.key_name(k.key)]}
                if predicted and runner.key_name(k.key) in predicted["keys"] else {})} for k in keys.values()]
   with open(os.path.join(report_dir, "sigma.json"), "w", encoding="utf-8") as f:
