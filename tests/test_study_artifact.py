@@ -109,7 +109,12 @@ def test_placer_packs_blocks_and_falls_back():
   nodes = got[0].nodes
   assert len(nodes) == 12 and mm.satisfies(m, nodes, "intra-group-same-l1-2")
   assert max(sum(1 for n in nodes if m.l1_of(n) == l) for l in (0, 1)) >= 6  # several pairs per switch
-  # the toolkit's old placer allowed one pair per switch: 2 switches could host only 2 pairs
+  # one block per switch (the toolkit's old placer) could not place DP+PP+TP at 512 GPUs as
+  # intra-group-same-l1-4 on Leonardo (32 blocks, 18 switches a group) or JUPITER (15 switches a group)
+  for name in ("leonardo", "jupiter"):
+    machine = mm.parse(name)
+    nodes = placement.place(machine, [(512, "intra-group-same-l1-4")], 0)
+    assert nodes and mm.satisfies(machine, nodes[0], "intra-group-same-l1-4")
   # an intra-group job larger than the group: strict fails, relaxed spills to inter-group
   two = _machine(2, 2, 4)
   assert placement.place(two, [(40, "intra-group")], 0) is None
