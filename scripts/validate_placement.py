@@ -18,7 +18,7 @@ import sys
 
 MACHINE = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 JOB_LISTS = [["dp:2", "dp:2"], ["dp:2", "dp:2", "dp:2"], ["dp:2", "dp:4"]]
-RUN = ["--bytes_scale=0.005", "--iters=12", "--grace=5", "--backend=testbed"]
+RUN = ["--bytes_scale=0.005", "--iters=12", "--grace=5", "--backend=testbed", "--small_job_threshold=1"]
 
 
 def study(*args: str) -> subprocess.CompletedProcess:

@@ -46,7 +46,7 @@ SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
     ("generated plan (testbed, size_divisor 8)", "testbed", ["--size_divisor=8", "--samples_per_bin=1"],
      ["--compute_scale=0.02", "--bytes_scale=1e-4", "--iters=8"]),
 ]
-DEFAULT_RUN = ["--bytes_scale=0.005", "--iters=12"]
+DEFAULT_RUN = ["--bytes_scale=0.005", "--iters=12", "--small_job_threshold=1"]
 
 
 def study(*args: str) -> subprocess.CompletedProcess:

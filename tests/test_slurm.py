@@ -152,7 +152,7 @@ def test_sbatch_study(slurm, tmp_path, jobs, shared):
   assert r.returncode == 0, r.stderr
   job, state, code = slurm.sbatch(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
                                    f"--output={tmp_path}/study.out", "scripts/slurm_study.sbatch", plan, res,
-                                   "--bytes_scale=0.0015", "--iters=7", "--grace=60"],
+                                   "--bytes_scale=0.0015", "--iters=7", "--grace=60", "--small_job_threshold=1"],
                                   cwd=REPO, env=clean_env(), timeout=300)
   log = open(tmp_path / "study.out", encoding="utf-8").read()
   assert (state, code) == ("COMPLETED", "0:0"), (job, state, log[-3000:])
@@ -186,7 +186,7 @@ def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
   assert r.returncode == 0, r.stderr
   job = slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
                       f"--output={log}", "scripts/slurm_study.sbatch", plan, res, "--bytes_scale=0.0015",
-                      "--iters=4", "--grace=60", "--nobaselines"], cwd=REPO, env=clean_env())
+                      "--iters=4", "--grace=60", "--nobaselines", "--small_job_threshold=1"], cwd=REPO, env=clean_env())
   deadline = time.monotonic() + 120
   while not os.path.exists(os.path.join(res, "raw", "e000", "j1.0.jsonl")):  # the concurrent unit has started
     assert time.monotonic() < deadline and slurm.job_state(job)[0] in ("PENDING", "RUNNING"), log.read_text()

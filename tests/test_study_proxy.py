@@ -54,6 +54,7 @@ def test_local_study_end_to_end(tmp_path):
   r = study("plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}")
   assert r.returncode == 0, r.stderr
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=local", "--bytes_scale=1e-4", "--compute_scale=0.1",
+            "--small_job_threshold=1",
             "--iters=4", "--grace=60")  # an upper bound: a proxy that stops promptly ends the wait
   assert r.returncode == 0, r.stderr[-3000:]
   units = records(os.path.join(res, "units.jsonl"))
@@ -62,6 +63,7 @@ def test_local_study_end_to_end(tmp_path):
   # a respawned proxy ends on SIGUSR1 (its handler, or the default action before it is installed), not SIGKILL
   assert all(i["returncode"] in (0, -signal.SIGUSR1) for i in stopped)
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=local", "--bytes_scale=1e-4", "--compute_scale=0.1",
+            "--small_job_threshold=1",
             "--iters=4", "--resume")
   assert r.returncode == 0 and "2 unit(s) already done, 0 to run" in r.stderr
   r = study("report", f"--results={res}", "--noplots")
@@ -143,7 +145,7 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   machine = "--machine=testbed:racks=2,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
   assert study("plan", machine, "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}").returncode == 0
   r = study("run", f"--plan={plan}", f"--out={res}", "--backend=testbed", "--bytes_scale=0.0015", "--iters=7",
-            "--grace=60", timeout=300)
+            "--grace=60", "--small_job_threshold=1", timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "removed testbed" in r.stderr
   r = study("report", f"--results={res}", "--noplots")
@@ -175,7 +177,8 @@ def test_slurm_backend_runs_steps_in_one_allocation(tmp_path):
   try:
     with slurm_testbed.SlurmTestbed(bed, str(tmp_path / "slurm"), cpus=8, gpus=8) as slurm:
       r = slurm.run(["salloc", "-N1", "-n8", "--gres=gpu:8", *STUDY, "run", "--backend=slurm", f"--plan={plan}",
-                     f"--out={res}", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=60"],
+                     f"--out={res}", "--bytes_scale=1e-4", "--compute_scale=0.02", "--iters=3", "--grace=60",
+                     "--small_job_threshold=1"],
                     timeout=300, cwd=REPO, env=slurm.env(clean_env()))
   finally:
     bed.down()

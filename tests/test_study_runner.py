@@ -91,6 +91,17 @@ def test_every_job_large_by_default_restarts_early_finishers(tmp_path):
   assert small["large"] and len(small["instances"]) >= 2  # it finished first and kept loading the network
 
 
+def test_all_small_as_the_artifact_runs_every_mix_for_its_walltime(tmp_path):
+  """microbench-study run's default threshold (the artifact's: none): no job is large, every one respawns
+  until the walltime ends the mix."""
+  plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("dp", None, [1, 3])]])
+  recs, _ = run(tmp_path, plan, FakeBackend(behave_by_kind(large_iters=2)), baselines=False,
+                small_job_threshold=runner.ALL_SMALL, walltime=3.0)
+  e = recs[0]
+  assert e["ended"] == "walltime" and not any(j["large"] for j in e["jobs"])
+  assert all(len(j["instances"]) >= 2 for j in e["jobs"])  # both respawned, the 4-GPU job too
+
+
 def test_kill_sequence_escalates_to_sigkill(tmp_path):
   plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("dp", None, [1, 3])]])
   recs, _ = run(tmp_path, plan, FakeBackend(behave_by_kind(small_mode="hang", large_iters=2)), baselines=False,

@@ -21,7 +21,7 @@ def test_sbatch_plans_inside_the_allocation(slurm, tmp_path):  # noqa: F811
                                            "--samples_per_bin=1 --max_experiments=1")
   job, state, code = slurm.sbatch(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--time=10",
                                    f"--output={tmp_path}/study.out", "scripts/slurm_study.sbatch", plan, res,
-                                   "--bytes_scale=0.0015", "--iters=4", "--grace=60"],
+                                   "--bytes_scale=0.0015", "--iters=4", "--grace=60", "--small_job_threshold=1"],
                                   cwd=REPO, env=env, timeout=300)
   log = open(tmp_path / "study.out", encoding="utf-8").read()
   assert (state, code) == ("COMPLETED", "0:0"), (job, state, log[-3000:])

@@ -118,9 +118,10 @@ flags.DEFINE_enum("backend", "local", ["local", "testbed", "slurm"], "run: where
                   "inside the current SLURM allocation.")
 flags.DEFINE_bool("resume", False, "run: continue the study in --out (same settings), skipping finished units.")
 flags.DEFINE_integer("baseline_repeats", 1, "run: baseline runs per matching key.", lower_bound=1)
-flags.DEFINE_integer("small_job_threshold", 0, "run: jobs with fewer GPUs are small (respawned until every large "
-                     "job has finished once); 0: every job is large. The study used 512 on Leonardo.",
-                     lower_bound=0)
+flags.DEFINE_integer("small_job_threshold", None, "run: jobs with fewer GPUs are small (respawned until every large "
+                     "job has finished once); unset, as the artifact: every job is small, so a mix runs for the "
+                     "whole --walltime; 1: every job is large (a mix ends once each job has run). The study used 512"
+                     " on Leonardo.", lower_bound=0)
 flags.DEFINE_float("walltime", 600, "run: seconds a unit may take before the kill sequence (run's default: 200, "
                    "the artifact's).", lower_bound=1)
 flags.DEFINE_float("grace", 30, "run: seconds between SIGUSR1 and SIGKILL in the kill sequence.", lower_bound=0)
@@ -411,7 +412,8 @@ def _run() -> int:
   s = runner.RunSettings(
       plan_dir=FLAGS.plan, out_dir=FLAGS.out, backend=FLAGS.backend, compute=FLAGS.compute,
       compute_scale=FLAGS.compute_scale, bytes_scale=FLAGS.bytes_scale, iters=FLAGS.iters, warmup=FLAGS.warmup,
-      baseline_repeats=FLAGS.baseline_repeats, small_job_threshold=FLAGS.small_job_threshold,
+      baseline_repeats=FLAGS.baseline_repeats,
+      small_job_threshold=runner.ALL_SMALL if FLAGS.small_job_threshold is None else FLAGS.small_job_threshold,
       walltime=FLAGS.walltime if FLAGS["walltime"].present else 200.0, grace=FLAGS.grace,
       max_failures=FLAGS.max_failures, dtype=FLAGS.proxy_dtype,
       experiments=tuple(FLAGS.experiments or ()), baselines=FLAGS.baselines)

@@ -4,7 +4,8 @@ on a backend, keeping every record as it arrives and resuming an interrupted stu
 Baselines are run once per matching key (strategy, model, GPUs, placement class), on the nodes of the first
 job with that key, `baseline_repeats` times. A concurrent run starts every job of the mix; a job that ends
 is started again at once on the same nodes (small and large alike, as the study's scheduler does), until
-every large job (GPUs >= small_job_threshold; 0 makes every job large) has finished once, or the walltime
+every large job (GPUs >= small_job_threshold; 0 makes every job large, ALL_SMALL none: the artifact's
+default, where every mix runs for the whole walltime) has finished once, or the walltime
 passes; then the kill sequence: SIGUSR1 to every running job's process group, SIGKILL after a grace period.
 A job that keeps failing (max_failures in a row) fails its unit; the study goes on with the next unit.
 
@@ -39,6 +40,9 @@ class RunError(RuntimeError):
   """The study can't start or resume (bad plan, settings mismatch); one line."""
 
 
+ALL_SMALL = 1 << 40  # a small-job threshold above every job: all jobs small (the artifact's default)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunSettings:
   plan_dir: str
@@ -50,7 +54,7 @@ class RunSettings:
   iters: int | None = None  # per job instance; None: the study's runs for the strategy
   warmup: int | None = None  # None: the study's (1)
   baseline_repeats: int = 1
-  small_job_threshold: int = 0
+  small_job_threshold: int = 0  # the CLI's default is ALL_SMALL, the artifact's
   walltime: float = 200.0  # the artifact's concurrent.yaml
   grace: float = 30.0
   max_failures: int = 3
