@@ -195,3 +195,10 @@ def test_report_gives_sigma_per_experiment(tmp_path):
   assert per["e000"]["n_concurrent"] + per["e001"]["n_concurrent"] == row["n_concurrent"]
   for x in per.values():
     assert x["boot_low"] <= x["sigma"] <= x["boot_high"]
+  md = open(tmp_path / "res" / "report" / "report.md", encoding="utf-8").read()
+  assert "## Sigma per experiment (the artifact's unit)" in md
+  section = md.split("## Sigma per experiment")[1].split("\n## ")[0]
+  for e in ("all", "e000", "e001"):
+    x = row["sigma"] if e == "all" else per[e]
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| dp | vit-h | 2 | intra-group | {e} |"))
+    assert f" {x['sigma']:.3f} |" in line and f"[{x['boot_low']:.3f}, {x['boot_high']:.3f}]" in line

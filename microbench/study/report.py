@@ -119,7 +119,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[float]],
              scaling: dict[str, list[tuple[int, float]]], plots: list[str], note: str,
-             predicted: dict | None = None) -> str:
+             predicted: dict | None = None, per_exp: dict[tuple, dict[str, stats.Sigma]] | None = None) -> str:
   lines = ["# Multi-tenancy interference study", "",
            "sigma = geomean(baseline throughput) / median(concurrent throughput); > 1 means slower when "
            "sharing. CI: the 95% interval of sigma from the medians' Le Boudec intervals "
@@ -144,6 +144,19 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
     else:
       lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
                    "| | n/a | | | | | |")
+  if per_exp:
+    lines += ["", "## Sigma per experiment (the artifact's unit)", "",
+              "Each mix's concurrent samples against the key's baseline; `all` pools the key's mixes (the table"
+              " above). Two 95% intervals: the study's (from the medians' intervals; it can miss its own point"
+              " estimate, which uses the baseline geomean) and a percentile bootstrap of the ratio itself.", "",
+              "| strategy | model | GPUs | placement | experiment | n conc | sigma | study CI | bootstrap CI |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for k in keys.values():
+      rows = ([("all", k.sigma)] if k.sigma else []) + sorted((per_exp.get(k.key) or {}).items())
+      for e, x in rows:
+        study = f"[{x.low:.3f}, {x.high:.3f}]" if x.has_interval else "none (<= 5 samples)"
+        lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {e} | {x.n_concurrent} |"
+                     f" {x.sigma:.3f} | {study} | [{_fmt(x.boot_low)}, {_fmt(x.boot_high)}] |")
   if predicted:
     lines += ["", "## Predicted against measured sigma", "",
               "Predicted before the run by `microbench-study predict` (fabric model: flows share links max-min"
@@ -305,10 +318,10 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
     except ImportError:
       say("PNG plots need matplotlib: pip install -e '.[report]' (Markdown and TensorBoard written)")
   predicted = predict.read(out_dir)
-  md = markdown(keys, units, cells, scaling, pngs, note, predicted)
+  per_exp = per_experiment(samples)
+  md = markdown(keys, units, cells, scaling, pngs, note, predicted, per_exp)
   with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
     f.write(md)
-  per_exp = per_experiment(samples)
   table = [{"strategy": k.key[0], "model": k.key[1], "gpus": k.key[2], "placement_class": k.key[3],
             "n_baseline": k.n_baseline, "n_concurrent": k.n_concurrent,
             "comm_share_baseline": k.comm_share_baseline, "comm_share_concurrent": k.comm_share_concurrent,
