@@ -131,3 +131,12 @@ def test_jobs_whose_proxies_come_from_hlo_are_derived_and_predicted(tmp_path):
   assert "deriving the schedules of 2 job(s) from their training steps' HLO (2 virtual devices)" in r.stderr
   key = predict.read(str(res))["keys"]["dp-gpt2-tiny-g2-intra-group"]
   assert key["sigma"] == pytest.approx(2.0) and key["alone_s"] > 0  # communication only, one uplink pair
+
+
+def test_a_latency_bound_key_is_said_to_be(tmp_path):
+  shared = make_plan(tmp_path / "a", [[("fsdp", None, [0, 2]), ("fsdp", None, [1, 3])]])
+  key = "fsdp-llama3-8b-g2-intra-group"
+  plain = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0)["keys"][key]
+  assert plain["latency_share"] == pytest.approx(0.0) and "note" not in plain  # the testbed: no latency described
+  slow = predict.predict(shared, bytes_scale=0.005, compute_scale=0.0, call_us=1e7)["keys"][key]
+  assert slow["latency_share"] > 0.9 and slow["note"] == predict.LATENCY_BOUND

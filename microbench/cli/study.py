@@ -482,6 +482,9 @@ def _predict() -> int:
     for j in e["jobs"]:
       print(f"| {eid} | {j['job']} | {j['key']} | {j['alone_s']:.4g} | {j['together_s']:.4g} | {j['sigma']:.3f} |"
             f" {j['link'] or '-'} |")
+  for name, k in pred["keys"].items():
+    if k.get("note"):
+      say(f"{name}: {k['note']} ({100 * k['latency_share']:.0f}% of its time alone)")
   say(f"predicted sigma for {len(pred['keys'])} key(s) -> {path}; `run --out={FLAGS.out}` measures them")
   return 0
 

@@ -34,6 +34,8 @@ from microbench.study import backends, runner, schedules
 from microbench.study import machines as mm
 
 PREDICTED = "predicted.json"
+LATENCY_BOUND = ("latency-bound: latencies are most of its time alone, so its sigma rests on the latency term,"
+                 " not on the shared links")
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -218,11 +220,16 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
   fab = fabric or mm.fabric_of(machine)
   model = dict(fabric=fab, call_us=call_us, derived=derived)
   alone: dict[tuple, float] = {}
+  latency_share: dict[tuple, float] = {}  # of the time alone, what the latencies add (nothing shares it)
   for e in experiments:
     for job in e["jobs"]:
       key = runner.key_of(job)
       if key not in alone:  # the baseline: the key's first job alone on its nodes
         alone[key] = mix_times(machine, [job], **scales, **model)[job["name"]][0]
+        no_latency = dict(model, call_us=0.0, fabric=dataclasses.replace(fab, base_us=0.0, net_hop_us=0.0,
+                                                                          scale_up_hop_us=0.0))
+        bare = mix_times(machine, [job], **scales, **no_latency)[job["name"]][0]
+        latency_share[key] = 1.0 - bare / alone[key] if alone[key] > 0 else 0.0
   out_exps = {}
   per_key: dict[tuple, list[float]] = {}
   for e in experiments:
@@ -237,7 +244,9 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
     out_exps[e["id"]] = {"jobs": rows}
   keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
                                "alone_s": alone[k], "together_s_geomean": _geomean(v),
-                               "sigma": _geomean(v) / alone[k]} for k, v in per_key.items()}
+                               "sigma": _geomean(v) / alone[k], "latency_share": latency_share[k],
+                               **({"note": LATENCY_BOUND} if latency_share[k] > 0.5 else {})}
+          for k, v in per_key.items()}
   return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
               "a collective moves as NCCL's ring (all-to-all and permutes as direct sends)",
               f"a collective's latency: base {fab.base_us:g} us + ring steps x hop (network {fab.net_hop_us:g} us,"

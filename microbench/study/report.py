@@ -173,7 +173,8 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
       if err is not None:
         errors.append(abs(err))
       lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {_fmt(measured)} | {p['sigma']:.3f} |"
-                   f" {'n/a' if err is None else f'{100 * err:+.1f}%'} |")
+                   f" {'n/a' if err is None else f'{100 * err:+.1f}%'}"
+                   f"{' (latency-bound)' if p.get('note') else ''} |")
     if errors:
       lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%,"
                     f" worst {100 * max(errors):.1f}%."]
