@@ -451,15 +451,15 @@ def _predict() -> int:
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required (the folder `run` fills)")
   try:
+    plan, experiments = runner.load_plan(FLAGS.plan)  # read once: the fits, the derivations and the model use it
+    machine = machines.Machine.from_json(plan["machine"])
     fab, notes = None, []
     if FLAGS.fit_from:
-      plan, _ = runner.load_plan(FLAGS.plan)
-      fab = machines.fabric_of(machines.Machine.from_json(plan["machine"]))
+      fab = machines.fabric_of(machine)
       for run_dir in FLAGS.fit_from:
         fab, more = fabric_fit.fit_from_run(fab, run_dir)
         notes += more
     derived = None
-    plan, experiments = runner.load_plan(FLAGS.plan)
     need = predict.proxy_from_gpus(experiments)
     if need:  # jobs whose proxies are read from HLO: compile their steps as `run` will (virtual CPU devices)
       from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
@@ -468,9 +468,9 @@ def _predict() -> int:
       import jax  # pylint: disable=g-import-not-at-top
       say(f"deriving the schedules of {sum(1 for e in experiments for j in e['jobs'] if j.get('proxy_from'))} job(s)"
           f" from their training steps' HLO ({need} virtual devices)")
-      derived = predict.derive_schedules(experiments, machines.Machine.from_json(plan["machine"]), jax.devices())
-    pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype, fabric=fab,
-                           call_us=FLAGS.call_us, derived=derived)
+      derived = predict.derive_schedules(experiments, machine, jax.devices())
+    pred = predict.predict_experiments(machine, experiments, FLAGS.bytes_scale, FLAGS.compute_scale,
+                                       FLAGS.proxy_dtype, fabric=fab, call_us=FLAGS.call_us, derived=derived)
   except (runner.RunError, machines.MachineError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   for line in notes:
