@@ -24,11 +24,14 @@ TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"
            ("2 racks x 2 hosts, across the uplinks", 4, 2, "1x2x2")]
 
 
+QUEUE = ["--queue=fifo"]  # the links' queues (--queue); main() sets it
+
+
 def sweep(out: str, hosts: int, racks: int) -> None:
   if os.path.exists(os.path.join(out, "results.jsonl")) and os.path.exists(os.path.join(out, "model.json")):
     return
   cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--hosts={hosts}", f"--racks={racks}",
-         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), "--",
+         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), *QUEUE, "--",
          sys.executable, "-m", "microbench", "--distributed", *SWEEP, f"--nodes_per_rack={hosts // racks}",
          f"--outdir={out}"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -61,7 +64,10 @@ def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str) 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
+  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+                  help="the testbed links' queues (microbench-testbed --queue)")
   a = ap.parse_args()
+  QUEUE[:] = [f"--queue={a.queue}"]
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []
   for name, hosts, racks in FIT_FROM:

@@ -47,6 +47,8 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--only", default="", help="comma-separated scenario numbers (from 1)")
+  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+                  help="the testbed links' queues (microbench-testbed --queue): fair is what the model describes")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
   only = {int(x) for x in a.only.split(",") if x}
@@ -58,6 +60,7 @@ def main() -> int:
     path = os.path.join(out, "gpcnet.json")
     given = {f.split("=")[0] for f in extra}
     flags = extra + [f for f in DEFAULT if f.split("=")[0] not in given]
+    flags = [f + f",queue={a.queue}" if f.startswith("--machine=") and a.queue != "fifo" else f for f in flags]
     if not (os.path.exists(path) and "impact" in json.load(open(path, encoding="utf-8"))):
       cmd = [sys.executable, "-m", "microbench.cli.study", "gpcnet", f"--canary={canary}",
              *[f"--congestors={c}" for c in congs], "--backend=testbed", *flags, f"--out={out}"]

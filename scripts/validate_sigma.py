@@ -69,6 +69,10 @@ def main() -> int:
   ap.add_argument("--only", default="", help="comma-separated scenario numbers (from 1)")
   ap.add_argument("--repredict", default="", help="predict finished scenarios again into RESULTS/NAME.json")
   ap.add_argument("--model_flags", default="", help="extra `predict` flags for --repredict (space-separated)")
+  ap.add_argument("--predict_flags", default="",
+                  help="extra `predict` flags for the prediction made before each run (space-separated)")
+  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+                  help="the testbed links' queues (microbench-testbed --queue): fair is what the model describes")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
   only = {int(x) for x in a.only.split(",") if x}
@@ -79,12 +83,14 @@ def main() -> int:
     base = os.path.join(a.out, f"s{i:02d}")
     plan, res = base + "-plan", base + "-results"
     flags = scale_flags(run_flags)
+    if a.queue != "fifo":
+      machine += ("," if ":" in machine else ":") + f"queue={a.queue}"
     if not os.path.exists(os.path.join(res, "report", "sigma.json")):
       job_flags = [f"--jobs={j}" for j in jobs if "@" in j] + [j for j in jobs if "@" not in j]
       if study("plan", f"--machine={machine}", *job_flags, f"--out={plan}").returncode:
         continue
       pred_flags = [f for f in flags if f.split("=")[0] in ("--bytes_scale", "--compute_scale")]
-      if study("predict", f"--plan={plan}", f"--out={res}", *pred_flags).returncode:
+      if study("predict", f"--plan={plan}", f"--out={res}", *pred_flags, *a.predict_flags.split()).returncode:
         continue
       t0 = time.time()
       study("run", f"--plan={plan}", f"--out={res}", "--backend=testbed", "--grace=5", *flags)

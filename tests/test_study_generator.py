@@ -70,9 +70,11 @@ def test_machine_levels_and_presets():
   assert (tb.nodes, tb.q1, tb.q2, tb.q3, len(tb.groups())) == (8, 1, 2, 4, 2)
   assert tb.l1_of(5) == 2 and tb.group_of(5) == 1
   for bad, msg in (("summit", "unknown machine"), ("leonardo:nodes=x", "integer"), ("leonardo:racks=2", "testbed"),
-                   ("custom:nodes=4", "needs"), ("leonardo:gpu=V100", "unknown GPU")):
+                   ("custom:nodes=4", "needs"), ("leonardo:gpu=V100", "unknown GPU"),
+                   ("leonardo:queue=fair", "testbed"), ("testbed:queue=wfq", "fifo, fair")):
     with pytest.raises(mm.MachineError, match=msg):
       mm.parse(bad)
+  assert mm.parse("testbed").queue == "fifo" and mm.parse("testbed:queue=fair").queue == "fair"
 
 
 def test_node_map_describes_a_real_allocation(tmp_path):

@@ -101,6 +101,28 @@ def test_shape_commands():
   assert not tbm.shape_commands("ns", "eth0", None, 0)
 
 
+def test_fair_queue_commands():
+  """A queue per host pair: the leaves' guaranteed shares fit in the link, each may borrow all of it, equal
+  quanta (even split of what idle pairs leave), and each pair's filter names its source and destination."""
+  lines = tbm.fair_commands("ns", "up0", 100_000_000, 0, [("10.77.0.1", "10.77.0.3"), ("10.77.0.2", "10.77.0.3")])
+  assert lines[0] == "qdisc add dev up0 root handle 1: htb default 2"
+  leaves = [l for l in lines if l.startswith("class add") and "parent 1:1 " in l]
+  assert len(leaves) == 3  # the default class (ARP, anything unmatched) and one per pair
+  rates = [int(re.search(r" rate (\d+)bit", l).group(1)) for l in leaves]
+  assert sum(rates) <= 100_000_000 and all(" ceil 100000000bit" in l and "quantum 65536" in l for l in leaves)
+  filters = [l for l in lines if l.startswith("filter")]
+  assert filters == [
+      "filter add dev up0 parent 1: protocol ip prio 1 u32 match ip src 10.77.0.1/32 match ip dst 10.77.0.3/32 flowid 1:3",
+      "filter add dev up0 parent 1: protocol ip prio 1 u32 match ip src 10.77.0.2/32 match ip dst 10.77.0.3/32 flowid 1:4"]
+  assert sum("bfifo limit 625000" in l for l in lines) == 3  # 50 ms at 100 Mbit/s per pair, as tbf's queue
+  delayed = tbm.fair_commands("ns", "up0", 100_000_000, 500, [("10.77.0.1", "10.77.0.3")])
+  assert sum("netem delay 500us" in l for l in delayed) == 2 and not any("bfifo" in l for l in delayed)
+  with pytest.raises(ValueError, match="fifo, fair"):
+    tbm.Testbed(prefix="tbabc123", hosts=2, queue="wfq")
+  with pytest.raises(ValueError, match="at most 64 hosts"):
+    tbm.Testbed(prefix="tbabc123", hosts=65, queue="fair")
+
+
 def test_topology_names_and_validation():
   bed = tbm.Testbed(prefix="tbabc123", hosts=4, racks=2)
   assert [bed.rack_of(i) for i in range(4)] == [0, 0, 1, 1]
@@ -207,3 +229,73 @@ def test_down_after_crashed_up(bed_id):
   r = run_testbed("down", f"--id={bed_id}")
   assert r.returncode == 0, r.stderr
   assert not leftovers(bed_id)
+
+
+def _pair_classes(ns: str, dev: str) -> tuple[dict[str, int], dict[str, tuple[str, str]]]:
+  """(bytes sent per leaf class, the (src, dst) addresses each class's filter matches) of one link end."""
+  sent = {}
+  out = subprocess.run(["tc", "-n", ns, "-s", "class", "show", "dev", dev], capture_output=True, text=True,
+                       check=True).stdout
+  for cid, nbytes in re.findall(r"class htb (1:[0-9a-f]+) parent 1:1 .*?\n\s*Sent (\d+) bytes", out):
+    sent[cid] = int(nbytes)
+  match = {}
+  out = subprocess.run(["tc", "-n", ns, "filter", "show", "dev", dev], capture_output=True, text=True,
+                       check=True).stdout
+  for cid, src, dst in re.findall(r"flowid (1:[0-9a-f]+).*?\n\s*match ([0-9a-f]{8})/ffffffff at 12\n"
+                                  r"\s*match ([0-9a-f]{8})/ffffffff at 16", out):
+    match[cid] = tuple(".".join(str(int(h[i:i + 2], 16)) for i in range(0, 8, 2)) for h in (src, dst))
+  return sent, match
+
+
+def _send(bed: tbm.Testbed, src: int, dst: int, nbytes: int) -> None:
+  """nbytes over TCP from host src to host dst (a listener in dst's namespace, a sender in src's)."""
+  port = bed.free_port(dst)
+  server = subprocess.Popen(bed.exec_argv(dst, [sys.executable, "-c", (
+      "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+      f"s.bind(({bed.addr(dst)!r}, {port})); s.listen(1); print('ready', flush=True); c, _ = s.accept(); n = 0\n"
+      "while True:\n  b = c.recv(1 << 16)\n  if not b: break\n  n += len(b)\nprint(n)")]),
+      stdout=subprocess.PIPE, text=True)
+  assert server.stdout.readline().strip() == "ready"
+  subprocess.run(bed.exec_argv(src, [sys.executable, "-c", (
+      f"import socket; s = socket.create_connection(({bed.addr(dst)!r}, {port})); s.sendall(bytes({nbytes}));"
+      "s.close()")]), check=True, timeout=60)
+  assert int(server.communicate(timeout=60)[0].strip()) == nbytes
+
+
+def _pair_carried(bed: tbm.Testbed, src: int, dst: int, nbytes: int) -> list[str]:
+  """Where a src -> dst transfer did not land in its own pair's class on a link it crosses (empty: all did)."""
+  pair = (bed.addr(src), bed.addr(dst))
+  ends = [(bed.host_ns(src), "eth0"), (bed.switch_ns, f"h{dst}")]
+  if bed.rack_of(src) != bed.rack_of(dst):
+    ends += [(bed.switch_ns, f"up{bed.rack_of(src)}"), (bed.switch_ns, f"dn{bed.rack_of(dst)}")]
+  wrong = []
+  for ns, dev in ends:
+    sent, match = _pair_classes(ns, dev)
+    mine = [cid for cid, p in match.items() if p == pair]
+    if len(mine) != 1 or sent.get(mine[0], 0) < nbytes or sent.get("1:2", 0) > nbytes // 10:
+      wrong.append(f"{ns} {dev}: pair class {mine} sent {[sent.get(c) for c in mine]}, default {sent.get('1:2')}")
+  return wrong
+
+
+@needs_netns
+def test_fair_queue_puts_each_host_pair_in_its_own_queue(bed_id, monkeypatch):
+  """--queue=fair: a transfer from rack 0 to rack 1 lands in its pair's own queue on every link it crosses (its
+  host link, the uplinks, the destination's link), not in the default queue; a classifier that swaps source
+  and destination (every pair's traffic then falls into the shared default queue: FIFO again) fails the check."""
+  bed = tbm.Testbed(prefix=bed_id, hosts=4, racks=2, host_rate=400_000_000, uplink_rate=100_000_000, queue="fair")
+  bed.up()
+  try:
+    _send(bed, 0, 3, 2_000_000)
+    assert _pair_carried(bed, 0, 3, 2_000_000) == []
+  finally:
+    bed.down()
+  real = tbm.fair_commands
+  monkeypatch.setattr(tbm, "fair_commands", lambda ns, dev, rate, delay, pairs: real(
+      ns, dev, rate, delay, [(b, a) for a, b in pairs]))
+  bed = tbm.Testbed(prefix=bed_id, hosts=4, racks=2, host_rate=400_000_000, uplink_rate=100_000_000, queue="fair")
+  bed.up()
+  try:
+    _send(bed, 0, 3, 2_000_000)
+    assert len(_pair_carried(bed, 0, 3, 2_000_000)) == 4
+  finally:
+    bed.down()

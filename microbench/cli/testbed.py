@@ -39,6 +39,9 @@ flags.DEFINE_string("host_rate", "", "Host link rate in tc units (200mbit, 1gbit
 flags.DEFINE_string("host_delay", "", "Host link one-way delay per link (500us, 1ms); needs sch_netem.")
 flags.DEFINE_string("uplink_rate", "", "Rack-to-core uplink rate (racks > 1); empty: unshaped.")
 flags.DEFINE_string("uplink_delay", "", "Rack-to-core uplink one-way delay; needs sch_netem.")
+flags.DEFINE_enum("queue", "fifo", tbm.QUEUES, "Each shaped link's queue: fifo (tbf's 50 ms drop-tail queue, "
+                  "which TCP fills) or fair (a queue per host pair served in turn, as a switch port arbitrating "
+                  "between flows; at most 64 hosts).")
 flags.DEFINE_integer("devices_per_process", 1, "CPU devices per process (JAX_NUM_CPU_DEVICES).", lower_bound=1)
 flags.DEFINE_string("id", None, "Testbed id (tb + up to 12 of [0-9a-z]). up: default random; run/down: which one.")
 flags.DEFINE_string("state", None, "State file (default /tmp/microbench-testbed-<id>.json).")
@@ -64,7 +67,7 @@ def _shape_kwargs() -> dict:
   try:
     return dict(host_rate=tbm.parse_rate(FLAGS.host_rate), host_delay_us=tbm.parse_delay(FLAGS.host_delay),
                 uplink_rate=tbm.parse_rate(FLAGS.uplink_rate),
-                uplink_delay_us=tbm.parse_delay(FLAGS.uplink_delay))
+                uplink_delay_us=tbm.parse_delay(FLAGS.uplink_delay), queue=FLAGS.queue)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 

@@ -99,6 +99,39 @@ def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> l
   return cmds
 
 
+QUEUES = ("fifo", "fair")
+MAX_FAIR_HOSTS = 64  # fair queues classify every host pair on every link: N^2 filters
+
+
+def fair_commands(ns: str, dev: str, rate_bits: int, delay_us: int,
+                  pairs: list[tuple[str, str]]) -> list[str]:
+  """`tc -batch` lines giving `dev`'s egress one queue per host pair (src, dst addresses) crossing it, served
+  in turn at the link's rate: HTB, one leaf per pair with an even guaranteed share and the whole link as its
+  ceiling, equal quanta (so active pairs split what idle ones leave evenly), u32 filters on the addresses.
+
+  This is a switch port that arbitrates between flows: concurrent host pairs share the link max-min fairly
+  whatever their paths and RTTs, and one pair's backlog (50 ms at the link rate, as tbf's queue) delays
+  nobody else's packets, ACKs included. fq_codel would do it per TCP flow, but minimal kernels (this lab's
+  VM) have only tbf, htb, netem and the fifos.
+  """
+  burst = max(32 * 1024, rate_bits // 8 // 500)  # as tbf's: 2 ms at line rate
+  limit = max(burst, rate_bits // 8 // 20)  # 50 ms at line rate
+  share = max(8000, rate_bits // (len(pairs) + 1))
+  leaf = f"rate {share}bit ceil {rate_bits}bit burst {burst} cburst {burst} quantum 65536"
+  lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+           f"class add dev {dev} parent 1: classid 1:1 htb rate {rate_bits}bit ceil {rate_bits}bit "
+           f"burst {burst} cburst {burst}"]
+  queue = (f"netem delay {delay_us}us limit 100000" if delay_us else f"bfifo limit {limit}")
+  for k, (src, dst) in enumerate([("", "")] + list(pairs)):
+    cid = f"{k + 2:x}"
+    lines.append(f"class add dev {dev} parent 1:1 classid 1:{cid} htb {leaf}")
+    lines.append(f"qdisc add dev {dev} parent 1:{cid} handle {k + 2:x}: {queue}")
+    if src:
+      lines.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip src {src}/32 "
+                   f"match ip dst {dst}/32 flowid 1:{cid}")
+  return lines
+
+
 def permission_problem() -> str | None:
   """Why this process cannot build a testbed (no `ip`/`tc`, no root/CAP_NET_ADMIN), or None."""
   for tool in ("ip", "tc"):
@@ -141,6 +174,7 @@ class Testbed:
   host_delay_us: int = 0
   uplink_rate: int | None = None
   uplink_delay_us: int = 0
+  queue: str = "fifo"  # each shaped link's queue: fifo (tbf's 50 ms drop-tail) or fair (one per host pair)
   state_path: str = ""
   created: bool = False
 
@@ -151,6 +185,11 @@ class Testbed:
       raise ValueError(f"--hosts must be in [1, {MAX_HOSTS}], got {self.hosts}")
     if self.racks < 1 or self.hosts % self.racks:
       raise ValueError(f"--hosts={self.hosts} must be a multiple of --racks={self.racks}")
+    if self.queue not in QUEUES:
+      raise ValueError(f"bad queue {self.queue!r}: use one of {', '.join(QUEUES)}")
+    if self.queue == "fair" and self.hosts > MAX_FAIR_HOSTS:
+      raise ValueError(f"--queue=fair classifies every host pair on every link: at most {MAX_FAIR_HOSTS} hosts,"
+                       f" got {self.hosts}")
     if not self.state_path:
       self.state_path = state_path_for(self.prefix)
 
@@ -236,9 +275,11 @@ class Testbed:
         _run(["ip", "-n", sw, "link", "add", f"up{r}", "type", "veth", "peer", "name", f"dn{r}"])
         _run(["ip", "-n", sw, "link", "set", f"up{r}", "master", f"br{r}", "up"])
         _run(["ip", "-n", sw, "link", "set", f"dn{r}", "master", "core", "up"])
-        for dev in (f"up{r}", f"dn{r}"):  # rack -> core and core -> rack
-          for cmd in shape_commands(sw, dev, self.uplink_rate, self.uplink_delay_us):
-            _run(cmd)
+        inside = [self.addr(i) for i in range(self.hosts) if self.rack_of(i) == r]
+        outside = [self.addr(i) for i in range(self.hosts) if self.rack_of(i) != r]
+        for dev, pairs in ((f"up{r}", [(a, b) for a in inside for b in outside]),  # rack -> core
+                           (f"dn{r}", [(b, a) for a in inside for b in outside])):  # core -> rack
+          self._shape(sw, dev, self.uplink_rate, self.uplink_delay_us, pairs)
     os.makedirs(NETNS_ETC, exist_ok=True)
     for i in range(self.hosts):
       ns = self.host_ns(i)
@@ -253,9 +294,23 @@ class Testbed:
       _run(["ip", "-n", sw, "link", "set", f"h{i}", "master", f"br{self.rack_of(i)}", "up"])
       _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/16", "dev", "eth0"])
       _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
-      for cmd in (shape_commands(ns, "eth0", self.host_rate, self.host_delay_us)  # host -> switch
-                  + shape_commands(sw, f"h{i}", self.host_rate, self.host_delay_us)):  # switch -> host
-        _run(cmd)
+      others = [self.addr(j) for j in range(self.hosts) if j != i]
+      self._shape(ns, "eth0", self.host_rate, self.host_delay_us, [(self.addr(i), b) for b in others])  # out
+      self._shape(sw, f"h{i}", self.host_rate, self.host_delay_us, [(b, self.addr(i)) for b in others])  # in
+
+  def _shape(self, ns: str, dev: str, rate: int | None, delay_us: int, pairs: list[tuple[str, str]]) -> None:
+    """Shapes one link end's egress: tbf's fifo, or (`queue` fair, with a rate) a queue per host pair."""
+    if self.queue == "fair" and rate:
+      path = os.path.join(STATE_DIR, f"microbench-testbed-{self.prefix}-{ns}-{dev}.tc")
+      with open(path, "w", encoding="ascii") as f:
+        f.write("\n".join(fair_commands(ns, dev, rate, delay_us, pairs)) + "\n")
+      try:
+        _run(["tc", "-n", ns, "-batch", path])
+      finally:
+        os.remove(path)
+      return
+    for cmd in shape_commands(ns, dev, rate, delay_us):
+      _run(cmd)
 
   def _bridge(self, name: str) -> None:
     sw = self.switch_ns
@@ -304,6 +359,8 @@ class Testbed:
             f"{link(self.host_rate, self.host_delay_us)}")
     if self.racks > 1:
       text += f"; uplinks {link(self.uplink_rate, self.uplink_delay_us)}"
+    if self.queue == "fair":
+      text += "; fair queues (one per host pair on every shaped link)"
     return text
 
 

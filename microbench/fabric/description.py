@@ -188,7 +188,7 @@ def parse(spec: str) -> Fabric:
       raise FabricError(f"bad fabric option {item!r}: want KEY=VALUE")
     opts[key.strip()] = value.strip()
   if name.strip().lower() == "testbed":
-    known = {"racks", "hosts_per_rack", "host_rate", "uplink_rate"}
+    known = {"racks", "hosts_per_rack", "host_rate", "uplink_rate", "queue"}  # queue: the model is max-min either way
     if set(opts) - known:
       raise FabricError(f"testbed fabric options: {', '.join(sorted(known))}; got {', '.join(sorted(set(opts) - known))}")
     try:

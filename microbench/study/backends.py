@@ -110,7 +110,7 @@ class TestbedBackend(Backend):
       raise BackendError(problem)
     try:
       bed = tbm.Testbed.new(hosts=m.nodes, racks=racks, host_rate=tbm.parse_rate(m.host_rate),
-                            uplink_rate=tbm.parse_rate(m.uplink_rate) if racks > 1 else None)
+                            uplink_rate=tbm.parse_rate(m.uplink_rate) if racks > 1 else None, queue=m.queue)
     except ValueError as e:
       raise BackendError(str(e)) from None
     self.bed = bed

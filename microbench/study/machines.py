@@ -52,6 +52,7 @@ class Machine:
   # The emulated cluster's links (testbed only).
   host_rate: str = ""
   uplink_rate: str = ""
+  queue: str = "fifo"  # each shaped link's queue (tbm.QUEUES): fifo, or fair (one per host pair)
 
   @property
   def q1(self) -> int:
@@ -143,7 +144,7 @@ PRESETS: dict[str, dict] = {
 }
 _INT_KEYS = ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes", "g_min", "racks", "hosts_per_rack",
              "groups", "class_q2_gpus", "class_q3_gpus")
-_KEYS = _INT_KEYS + ("gpu", "size_table", "host_rate", "uplink_rate")
+_KEYS = _INT_KEYS + ("gpu", "size_table", "host_rate", "uplink_rate", "queue")
 
 
 def parse(spec: str, node_map: str | None = None,
@@ -178,8 +179,10 @@ def parse(spec: str, node_map: str | None = None,
       raise MachineError(f"testbed racks={racks} must be a multiple of groups={groups}")
     kw["l1_per_group"] = racks // groups
     kw["nodes"] = racks * kw["nodes_per_l1"]
-  elif {"racks", "hosts_per_rack", "groups"} & set(kw):
-    raise MachineError("racks, hosts_per_rack and groups describe the testbed machine only")
+    if kw.get("queue", "fifo") not in tbm.QUEUES:
+      raise MachineError(f"testbed queue={kw['queue']!r}: choose one of {', '.join(tbm.QUEUES)}")
+  elif {"racks", "hosts_per_rack", "groups", "queue"} & set(kw):
+    raise MachineError("racks, hosts_per_rack, groups and queue describe the testbed machine only")
   missing = [k for k in ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes") if k not in kw]
   if missing:
     raise MachineError(f"custom machine needs {', '.join(missing)}")
