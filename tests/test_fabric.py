@@ -163,10 +163,19 @@ def test_fitted_level_replaces_the_link_rate():
     ("leonardo:leaf_up=-1", "positive number"),
     ("leonardo:spine=3", "choose from"),
     ("testbed:host_rate=fast", "testbed fabric"),
+    ("testbed:queue=wfq", "choose one of fifo, fair"),
 ])
 def test_bad_fabric_specs_are_one_line(spec, msg):
   with pytest.raises(fd.FabricError, match=msg):
     fd.parse(spec)
+
+
+def test_testbed_fabric_says_what_its_queues_do():
+  """The model is max-min either way; what the emulated links do instead is said, not hidden."""
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+  assert any("parking-lot" in a for a in fd.parse("testbed").assumed)
+  assert any("fair queues" in a for a in fd.parse("testbed:queue=fair").assumed)
+  assert any("fair queues" in a for a in mm.fabric_of(mm.parse("testbed:queue=fair")).assumed)
 
 
 def test_bad_shapes_and_sizes_are_one_line():

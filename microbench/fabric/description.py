@@ -167,14 +167,22 @@ def system(name: str) -> Fabric:
   return Fabric(name=key, scale_up_gbps=_link(d["scale_up_link"]), nic_gbps=_link(d["nic_link"]), **d)
 
 
+TESTBED_QUEUES = {
+    "fifo": "links are drop-tail FIFO queues under TCP: a flow through several congested links gets less than"
+            " its max-min share there (TCP's parking-lot effect, not modelled)",
+    "fair": "links serve host pairs in turn (fair queues): max-min sharing is what they do",
+}
+
+
 def testbed(hosts_per_rack: int, host_rate_gbps: float | None, uplink_rate_gbps: float | None,
-            racks: int = 4, hop_us: float = 0.0) -> Fabric:
+            racks: int = 4, hop_us: float = 0.0, queue: str = "fifo") -> Fabric:
   """The emulated cluster: one rank per host, a shaped veth per host into its rack's bridge, one shaped
-  uplink per rack into the core (the core itself is not shaped: non-blocking)."""
+  uplink per rack into the core (the core itself is not shaped: non-blocking); `queue` as the testbed's
+  links (microbench-testbed --queue), said in the assumptions."""
   return Fabric(name="testbed", gpu="cpu", gpus_per_node=1, scale_up_gbps=None, nic_gbps=host_rate_gbps,
                 nics_per_node=1, nodes_per_leaf=hosts_per_rack, leaves_per_group=racks,
                 leaf_up_gbps=uplink_rate_gbps, nic_link="veth (tc tbf)", net_hop_us=hop_us, base_us=0.0,
-                assumed=("one rank per host; latencies until fitted: none",))
+                assumed=("one rank per host; latencies until fitted: none", TESTBED_QUEUES[queue]))
 
 
 def parse(spec: str) -> Fabric:
@@ -188,7 +196,7 @@ def parse(spec: str) -> Fabric:
       raise FabricError(f"bad fabric option {item!r}: want KEY=VALUE")
     opts[key.strip()] = value.strip()
   if name.strip().lower() == "testbed":
-    known = {"racks", "hosts_per_rack", "host_rate", "uplink_rate", "queue"}  # queue: the model is max-min either way
+    known = {"racks", "hosts_per_rack", "host_rate", "uplink_rate", "queue"}
     if set(opts) - known:
       raise FabricError(f"testbed fabric options: {', '.join(sorted(known))}; got {', '.join(sorted(set(opts) - known))}")
     try:
@@ -199,7 +207,10 @@ def parse(spec: str) -> Fabric:
       raise FabricError(f"testbed fabric: {e}") from None
     if per_rack < 1 or racks < 1:
       raise FabricError("testbed fabric: racks and hosts_per_rack must be >= 1")
-    return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up), racks)
+    queue = opts.get("queue", "fifo")
+    if queue not in TESTBED_QUEUES:
+      raise FabricError(f"testbed fabric: queue={queue!r}: choose one of {', '.join(TESTBED_QUEUES)}")
+    return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up), racks, queue=queue)
   fab = system(name)
   keys = {"leaf_up": "leaf_up_gbps", "group_up": "group_up_gbps", "nic": "nic_gbps", "scale_up": "scale_up_gbps"}
   change = {}

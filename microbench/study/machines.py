@@ -226,7 +226,7 @@ def fabric_of(machine: Machine) -> fd.Fabric:
   if machine.name == "testbed":
     host, up = tbm.parse_rate(machine.host_rate), tbm.parse_rate(machine.uplink_rate)
     return fd.testbed(machine.nodes_per_l1, host and tbm.gbytes_per_s(host), up and tbm.gbytes_per_s(up),
-                      racks=machine.nodes // machine.nodes_per_l1)
+                      racks=machine.nodes // machine.nodes_per_l1, queue=machine.queue)
   if machine.name not in fd.SYSTEMS:
     raise MachineError(f"machine {machine.name!r} has no link description; predictions need one of"
                        f" {', '.join(fd.SYSTEMS)} or testbed")
