@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from microbench.study.predict import LATENCY_BOUND_SHARE
+
 M400_100 = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 # (name, machine, jobs or generator flags, extra run flags)
 SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
@@ -47,6 +49,7 @@ SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
      ["--compute_scale=0.02", "--bytes_scale=1e-4", "--iters=8"]),
 ]
 DEFAULT_RUN = ["--bytes_scale=0.005", "--iters=12", "--small_job_threshold=1"]
+LATENCY_BOUND = LATENCY_BOUND_SHARE  # as microbench-study predict marks a key
 
 
 def study(*args: str) -> subprocess.CompletedProcess:
@@ -112,28 +115,43 @@ def main() -> int:
       os.rmdir(tmp)
       with open(os.path.join(res, f"{a.repredict}.json"), encoding="utf-8") as f:
         again = json.load(f)["keys"]
+    try:
+      with open(os.path.join(res, "predicted.json"), encoding="utf-8") as f:
+        before = json.load(f)["keys"]
+    except (OSError, KeyError, ValueError):
+      before = {}
     for r in table:
-      key = f"{r['strategy']} x{r['gpus']} {r['placement_class']}"
+      key = f"{r['strategy']} x{r['gpus']} {r['model']} {r['placement_class']}"
       measured = r.get("sigma", {}).get("sigma")
       ci = r.get("sigma", {})
       predicted = r.get("predicted", {}).get("sigma")
+      name_of = f"{r['strategy']}-{r['model']}-g{r['gpus']}-{r['placement_class']}"
+      share = (again if again is not None else before).get(name_of, {}).get("latency_share")
       if again is not None:
-        name_of = f"{r['strategy']}-{r['model']}-g{r['gpus']}-{r['placement_class']}"
         predicted = again.get(name_of, {}).get("sigma")
       interval = f"[{ci['low']:.3f}, {ci['high']:.3f}]" if ci.get("has_interval") else "none"
-      rows.append((i, name, key, measured, predicted, interval))
-  lines = ["| # | scenario | key | measured sigma [95% CI] | predicted | error |", "|---|---|---|---|---|---|"]
-  errors = []
-  for i, name, key, measured, predicted, interval in rows:
+      rows.append((i, name, key, measured, predicted, interval, share))
+  lines = ["| # | scenario | key | measured sigma [95% CI] | predicted | error | latency share (predicted) |",
+           "|---|---|---|---|---|---|---|"]
+  errors, bandwidth = [], []
+  for i, name, key, measured, predicted, interval, share in rows:
     err = None if measured is None or predicted is None else (predicted - measured) / measured
+    bound = share is not None and share > LATENCY_BOUND
     if err is not None:
       errors.append(abs(err))
+      if not bound:
+        bandwidth.append(abs(err))
     m = "n/a" if measured is None else f"{measured:.3f} {interval}"
     p = "n/a" if predicted is None else f"{predicted:.3f}"
-    lines.append(f"| {i} | {name} | {key} | {m} | {p} | {'n/a' if err is None else f'{100 * err:+.1f}%'} |")
+    lat = "n/a" if share is None else f"{100 * share:.0f}%" + (" **latency-bound**" if bound else "")
+    lines.append(f"| {i} | {name} | {key} | {m} | {p} | {'n/a' if err is None else f'{100 * err:+.1f}%'} | {lat} |")
   if errors:
     lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%, worst"
                   f" {100 * max(errors):.1f}%"]
+  if bandwidth and len(bandwidth) < len(errors):
+    lines += ["", f"|error| over the {len(bandwidth)} key(s) the model does not mark latency-bound (latency share"
+                  f" <= {100 * LATENCY_BOUND:.0f}%): median {100 * statistics.median(bandwidth):.1f}%, worst"
+                  f" {100 * max(bandwidth):.1f}%"]
   text = "\n".join(lines) + "\n"
   md = f"validation-{a.repredict}.md" if a.repredict else "validation.md"
   with open(os.path.join(a.out, md), "w", encoding="utf-8") as f:

@@ -82,6 +82,15 @@ def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> 
   return err
 
 
+def netns_problem() -> str | None:
+  """Why the emulated cluster (network namespaces) cannot run here, or None."""
+  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+  if not sys.platform.startswith("linux"):
+    return "network namespaces need Linux"
+  return tbm.permission_problem() or (None if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode
+                                      == 0 else "`ip netns` does not work here")
+
+
 def pytest_addoption(parser):
   parser.addoption("--update-golden", action="store_true", default=False,
                    help="rewrite tests/golden/*.json from this run instead of comparing with them")

@@ -18,6 +18,8 @@ from microbench.study import impact as im
 from microbench.study import machines as mm
 from microbench.study import predict as pr
 
+from conftest import netns_problem
+
 TESTBED = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 ISOLATED = [1.0] * 9 + [2.0]
 CONGESTED = [3.0] * 9 + [4.0]
@@ -196,15 +198,7 @@ def test_coverage_of_the_canary_window():
   assert gpcnet.coverage((20.0, 30.0), rounds, stopped=31.0) == 1.0  # still in its next round when stopped
 
 
-def _netns_problem() -> str | None:
-  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  return tbm.permission_problem() or (None if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode
-                                      == 0 else "`ip netns` does not work here")
-
-
-NETNS = _netns_problem()
+NETNS = netns_problem()
 
 
 @pytest.mark.skipif(NETNS is not None, reason=f"the emulated cluster cannot run here: {NETNS}")

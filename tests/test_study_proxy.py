@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env
+from conftest import clean_env, netns_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY = [sys.executable, "-m", "microbench.cli.study"]
@@ -127,15 +127,7 @@ def test_bad_input_is_one_line(args, needle):
   assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def _netns_problem() -> str | None:
-  from microbench.cluster import testbed as tbm
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  return tbm.permission_problem() or (None if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode
-                                      == 0 else "`ip netns` does not work here")
-
-
-NETNS = _netns_problem()
+NETNS = netns_problem()
 
 
 @pytest.mark.skipif(NETNS is not None, reason=f"the emulated cluster cannot run here: {NETNS}")

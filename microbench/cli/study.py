@@ -403,10 +403,33 @@ def _job_spec(text: str) -> tuple[str, str | None, list[int]]:
   return strategy, model or None, node_list
 
 
-def _run() -> int:
+def _on_backend(machine, work, interrupted: str, errors: tuple = ()) -> tuple[int, object]:
+  """(exit code, work(backend)) on the --backend for `machine`, opened and then closed whatever happens; a
+  backend's failure is one line and exit 1, an interrupt exit 128 + signal (`interrupted` says what resumes)."""
   from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
   from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
-  from microbench.study import backends, runner  # pylint: disable=g-import-not-at-top
+  from microbench.study import backends  # pylint: disable=g-import-not-at-top
+  try:
+    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
+                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
+  except backends.BackendError as e:
+    raise app.UsageError(str(e)) from None
+  launch.install_signal_handlers()
+  try:
+    backend.open()
+    return 0, work(backend)
+  except (backends.BackendError, tbm.TestbedError, *errors) as e:
+    say(f"error: {e}")
+    return 1, None
+  except launch.Interrupted as e:
+    say(f"interrupted ({e}){interrupted}")
+    return 128 + e.signum, None
+  finally:
+    backend.close()
+
+
+def _run() -> int:
+  from microbench.study import runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required")
   s = runner.RunSettings(
@@ -422,22 +445,12 @@ def _run() -> int:
     unknown = set(s.experiments) - {e["id"] for e in experiments}
     if unknown:
       raise app.UsageError(f"--experiments: {', '.join(sorted(unknown))} not in the plan")
-    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
-                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
   except runner.RunError as e:
     raise app.UsageError(str(e)) from None
-  launch.install_signal_handlers()
-  try:
-    backend.open()
-    records = runner.run(s, backend, machine, experiments, say=say)
-  except (backends.BackendError, tbm.TestbedError) as e:
-    say(f"error: {e}")
-    return 1
-  except launch.Interrupted as e:
-    say(f"interrupted ({e}); `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
-    return 128 + e.signum
-  finally:
-    backend.close()
+  rc, records = _on_backend(machine, lambda backend: runner.run(s, backend, machine, experiments, say=say),
+                            f"; `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
+  if rc:
+    return rc
   failed = [r["unit"] for r in records if r["status"] != "done"]
   if failed:
     say(f"{len(failed)} unit(s) failed: {', '.join(failed)}; `run --resume` runs them again")
@@ -492,9 +505,7 @@ def _predict() -> int:
 def _gpcnet() -> int:
   """GPCNeT's congestion impact factor: the flow model's prediction first (written before anything runs), then
   the canary alone and beside the congestors on --backend; OUT/report.md and OUT/gpcnet.json."""
-  from microbench.cluster import launch  # pylint: disable=g-import-not-at-top
-  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
-  from microbench.study import backends, gpcnet, machines  # pylint: disable=g-import-not-at-top
+  from microbench.study import gpcnet, machines  # pylint: disable=g-import-not-at-top
   if not FLAGS.canary or not FLAGS.congestors or not FLAGS.out:
     raise app.UsageError("--canary=SPEC, --congestors=KIND[@NODES] and --out=FOLDER are required, e.g. "
                          "--canary=all_reduce:1M@0,2 --congestors=alltoall@1,3")
@@ -517,23 +528,10 @@ def _gpcnet() -> int:
   if not FLAGS.measure:
     print(gpcnet.markdown(gpcnet.result(machine, canary, congs, s, predicted, None, command_line)))
     return 0
-  try:
-    backend = backends.make(FLAGS.backend, machine, testbed_id=FLAGS.testbed_id, srun_args=FLAGS.srun_args,
-                            gpu_flag=FLAGS.slurm_gpu_flag, say=say)
-  except backends.BackendError as e:
-    raise app.UsageError(str(e)) from None
-  launch.install_signal_handlers()
-  try:
-    backend.open()
-    measured = gpcnet.measure(machine, canary, congs, s, backend, say=say)
-  except (backends.BackendError, tbm.TestbedError, gpcnet.GpcnetError) as e:
-    say(f"error: {e}")
-    return 1
-  except launch.Interrupted as e:
-    say(f"interrupted ({e})")
-    return 128 + e.signum
-  finally:
-    backend.close()
+  rc, measured = _on_backend(machine, lambda backend: gpcnet.measure(machine, canary, congs, s, backend, say=say),
+                             "", errors=(gpcnet.GpcnetError,))
+  if rc:
+    return rc
   try:
     res = gpcnet.result(machine, canary, congs, s, predicted, measured, command_line)
   except ValueError as e:

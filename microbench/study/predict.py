@@ -34,6 +34,7 @@ from microbench.study import backends, runner, schedules
 from microbench.study import machines as mm
 
 PREDICTED = "predicted.json"
+LATENCY_BOUND_SHARE = 0.5  # a key whose latency is more than this share of its time alone is latency-bound
 LATENCY_BOUND = ("latency-bound: latencies are most of its time alone, so its sigma rests on the latency term,"
                  " not on the shared links")
 ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -245,7 +246,7 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
   keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
                                "alone_s": alone[k], "together_s_geomean": _geomean(v),
                                "sigma": _geomean(v) / alone[k], "latency_share": latency_share[k],
-                               **({"note": LATENCY_BOUND} if latency_share[k] > 0.5 else {})}
+                               **({"note": LATENCY_BOUND} if latency_share[k] > LATENCY_BOUND_SHARE else {})}
           for k, v in per_key.items()}
   return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
               "a collective moves as NCCL's ring (all-to-all and permutes as direct sends)",
