@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+from microbench.cluster.testbed import QUEUES
+
 HOST, UPLINK = "400mbit", "200mbit"
 SWEEP = ["--collectives=all_reduce,all_gather", "--scopes=scale_out", "--max_bytes=16M",
          "--step_factor=4", "--samples=5", "--warmup=1"]
@@ -24,14 +26,11 @@ TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"
            ("2 racks x 2 hosts, across the uplinks", 4, 2, "1x2x2")]
 
 
-QUEUE = ["--queue=fifo"]  # the links' queues (--queue); main() sets it
-
-
-def sweep(out: str, hosts: int, racks: int, min_bytes: str = "1M") -> None:
+def sweep(out: str, hosts: int, racks: int, queue: str, min_bytes: str = "1M") -> None:
   if os.path.exists(os.path.join(out, "results.jsonl")) and os.path.exists(os.path.join(out, "model.json")):
     return
   cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--hosts={hosts}", f"--racks={racks}",
-         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), *QUEUE, "--",
+         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), f"--queue={queue}", "--",
          sys.executable, "-m", "microbench", "--distributed", *SWEEP, f"--min_bytes={min_bytes}",
          f"--nodes_per_rack={hosts // racks}", f"--outdir={out}"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -64,25 +63,24 @@ def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str) 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
-  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+  ap.add_argument("--queue", default="fifo", choices=QUEUES,
                   help="the testbed links' queues (microbench-testbed --queue)")
   ap.add_argument("--fit_min_bytes", default="1M",
                   help="smallest size of the 2-host sweeps the levels are fitted from (1K: the latency too; on "
                        "this testbed that fit is POOR and its level not used, see BUILD_NOTES)")
   a = ap.parse_args()
-  QUEUE[:] = [f"--queue={a.queue}"]
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []
   for name, hosts, racks in FIT_FROM:
     fit_dirs.append(os.path.join(a.out, name))
-    sweep(fit_dirs[-1], hosts, racks, a.fit_min_bytes)
+    sweep(fit_dirs[-1], hosts, racks, a.queue, a.fit_min_bytes)
   lines = ["| target | collective | size | measured (us) | predicted (us) | algorithm | bottleneck | error |",
            "|---|---|---|---|---|---|---|---|"]
   errors = []
   for name, hosts, racks, shape in TARGETS:
     run_dir = os.path.join(a.out, f"{hosts}hosts-{racks}racks")
     pred = predicted(fit_dirs, hosts // racks, racks, shape)  # before the run
-    sweep(run_dir, hosts, racks)
+    sweep(run_dir, hosts, racks, a.queue)
     got = measured(run_dir)
     for (coll, size), (t, algo, neck) in sorted(pred.items()):
       m = got.get((coll, size))

@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from microbench.cluster.testbed import QUEUES
+
 MACHINE = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 CANARY = "all_reduce:1M@0,2"
 M12 = "testbed:racks=4,hosts_per_rack=3,host_rate=400mbit,uplink_rate=100mbit"
@@ -47,7 +49,7 @@ def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--only", default="", help="comma-separated scenario numbers (from 1)")
-  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+  ap.add_argument("--queue", default="fifo", choices=QUEUES,
                   help="the testbed links' queues (microbench-testbed --queue): fair is what the model describes")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)

@@ -24,7 +24,9 @@ import subprocess
 import sys
 import time
 
-from microbench.study.predict import LATENCY_BOUND_SHARE
+from microbench.cluster.testbed import QUEUES
+from microbench.study.predict import LATENCY_BOUND_SHARE, PREDICTED
+from microbench.study.runner import key_name
 
 M400_100 = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 # (name, machine, jobs or generator flags, extra run flags)
@@ -49,7 +51,6 @@ SCENARIOS: list[tuple[str, str, list[str], list[str]]] = [
      ["--compute_scale=0.02", "--bytes_scale=1e-4", "--iters=8"]),
 ]
 DEFAULT_RUN = ["--bytes_scale=0.005", "--iters=12", "--small_job_threshold=1"]
-LATENCY_BOUND = LATENCY_BOUND_SHARE  # as microbench-study predict marks a key
 
 
 def study(*args: str) -> subprocess.CompletedProcess:
@@ -74,7 +75,7 @@ def main() -> int:
   ap.add_argument("--model_flags", default="", help="extra `predict` flags for --repredict (space-separated)")
   ap.add_argument("--predict_flags", default="",
                   help="extra `predict` flags for the prediction made before each run (space-separated)")
-  ap.add_argument("--queue", default="fifo", choices=("fifo", "fair"),
+  ap.add_argument("--queue", default="fifo", choices=QUEUES,
                   help="the testbed links' queues (microbench-testbed --queue): fair is what the model describes")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
@@ -111,12 +112,12 @@ def main() -> int:
       pred_flags = [f for f in flags if f.split("=")[0] in ("--bytes_scale", "--compute_scale")]
       if study("predict", f"--plan={plan}", f"--out={tmp}", *pred_flags, *a.model_flags.split()).returncode:
         continue
-      os.replace(os.path.join(tmp, "predicted.json"), os.path.join(res, f"{a.repredict}.json"))
+      os.replace(os.path.join(tmp, PREDICTED), os.path.join(res, f"{a.repredict}.json"))
       os.rmdir(tmp)
       with open(os.path.join(res, f"{a.repredict}.json"), encoding="utf-8") as f:
         again = json.load(f)["keys"]
     try:
-      with open(os.path.join(res, "predicted.json"), encoding="utf-8") as f:
+      with open(os.path.join(res, PREDICTED), encoding="utf-8") as f:
         before = json.load(f)["keys"]
     except (OSError, KeyError, ValueError):
       before = {}
@@ -125,7 +126,7 @@ def main() -> int:
       measured = r.get("sigma", {}).get("sigma")
       ci = r.get("sigma", {})
       predicted = r.get("predicted", {}).get("sigma")
-      name_of = f"{r['strategy']}-{r['model']}-g{r['gpus']}-{r['placement_class']}"
+      name_of = key_name((r["strategy"], r["model"], r["gpus"], r["placement_class"]))
       share = (again if again is not None else before).get(name_of, {}).get("latency_share")
       if again is not None:
         predicted = again.get(name_of, {}).get("sigma")
@@ -136,7 +137,7 @@ def main() -> int:
   errors, bandwidth = [], []
   for i, name, key, measured, predicted, interval, share in rows:
     err = None if measured is None or predicted is None else (predicted - measured) / measured
-    bound = share is not None and share > LATENCY_BOUND
+    bound = share is not None and share > LATENCY_BOUND_SHARE
     if err is not None:
       errors.append(abs(err))
       if not bound:
@@ -150,7 +151,7 @@ def main() -> int:
                   f" {100 * max(errors):.1f}%"]
   if bandwidth and len(bandwidth) < len(errors):
     lines += ["", f"|error| over the {len(bandwidth)} key(s) the model does not mark latency-bound (latency share"
-                  f" <= {100 * LATENCY_BOUND:.0f}%): median {100 * statistics.median(bandwidth):.1f}%, worst"
+                  f" <= {100 * LATENCY_BOUND_SHARE:.0f}%): median {100 * statistics.median(bandwidth):.1f}%, worst"
                   f" {100 * max(bandwidth):.1f}%"]
   text = "\n".join(lines) + "\n"
   md = f"validation-{a.repredict}.md" if a.repredict else "validation.md"

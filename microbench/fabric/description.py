@@ -208,8 +208,8 @@ def parse(spec: str) -> Fabric:
     if per_rack < 1 or racks < 1:
       raise FabricError("testbed fabric: racks and hosts_per_rack must be >= 1")
     queue = opts.get("queue", "fifo")
-    if queue not in TESTBED_QUEUES:
-      raise FabricError(f"testbed fabric: queue={queue!r}: choose one of {', '.join(TESTBED_QUEUES)}")
+    if queue not in tb.QUEUES:
+      raise FabricError(f"testbed fabric: queue={queue!r}: choose one of {', '.join(tb.QUEUES)}")
     return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up), racks, queue=queue)
   fab = system(name)
   keys = {"leaf_up": "leaf_up_gbps", "group_up": "group_up_gbps", "nic": "nic_gbps", "scale_up": "scale_up_gbps"}
