@@ -65,9 +65,9 @@ def main() -> int:
   ap.add_argument("--out", required=True)
   ap.add_argument("--queue", default="fifo", choices=QUEUES,
                   help="the testbed links' queues (microbench-testbed --queue)")
-  ap.add_argument("--fit_min_bytes", default="1M",
-                  help="smallest size of the 2-host sweeps the levels are fitted from (1K: the latency too; on "
-                       "this testbed that fit is POOR and its level not used, see BUILD_NOTES)")
+  ap.add_argument("--fit_min_bytes", default="1K",
+                  help="smallest size of the 2-host sweeps the levels are fitted from (1K: latency-bound sizes"
+                       " too, so the fits have a latency regime; 1M: bandwidth only, as before 2026-12-02)")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from microbench.fabric import collectives as fc
@@ -268,10 +270,39 @@ def test_a_sweeps_fits_replace_the_levels_its_scopes_crossed():
   fab, notes = fabric_fit.fit_levels(_two_racks(), [_fit("scale_out", 2, 0.04, 500.0),
                                                     _fit("scale_out", 2, 9.0, 1.0, poor=True)], one_rack)
   assert fab.nic_gbps == 0.04 and fab.net_hop_us == pytest.approx(250.0) and fab.fitted_levels == ("nic",)
-  assert any("poor fit not used" in n for n in notes)
+  assert any("poor fit (only their good regime used)" in n for n in notes)
   p = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2, 2), "ring")  # 4 ranks over 2 racks
   assert p.time_us == pytest.approx(6 * 250.0 + 2 * 0.75 * 1e6 / 0.04e3)  # 2(n-1) fitted hops, fitted rate
   assert p.bottleneck == "nic"  # the fitted 0.04 GB/s hosts, below the 0.25 GB/s uplink
+
+
+def test_each_regime_of_a_fit_sets_only_what_it_measured():
+  """A two-regime fit whose bandwidth is poor (the uplinks' token-bucket burst) still gives the level its hop,
+  and its rate stays as described; a fit whose latency is poor gives the rate only."""
+  from microbench.report import alpha_beta, fabric_fit  # pylint: disable=g-import-not-at-top
+  meta = {"topology": {"racks": 2, "nodes": 2, "gpus": 1}, "scopes": {"scale_out": {"axes": ["rack", "node"]}}}
+  burst = alpha_beta.Fit("all_reduce", "scale_out", "float32", 2, 8, 1024, 16 << 20, 1600.0, 0.022, "two regimes",
+                         0.99, 0.2, 0.64, 1.0, 0.022, 2, 800.0, latency_points=3, latency_max_rel_err=0.24,
+                         bandwidth_max_rel_err=0.64)
+  fab, notes = fabric_fit.fit_levels(_two_racks(), [burst], meta)
+  assert fab.leaf_up_gbps == 0.25 and fab.uplink_hop_us == 800.0 and fab.net_hop_us == 0.0
+  assert any("leaf_up fitted: hop 800 us" in n and "rate as described" in n for n in notes), notes
+  jitter = dataclasses.replace(burst, latency_max_rel_err=0.9, bandwidth_max_rel_err=0.05)
+  fab, notes = fabric_fit.fit_levels(_two_racks(), [jitter], meta)
+  assert fab.leaf_up_gbps == 0.022 and fab.uplink_hop_us is None
+  assert any("hop as described" in n for n in notes), notes
+
+
+def test_a_hop_across_racks_is_the_uplinks_own():
+  """Every step of a ring that crosses racks waits for its cross-rack transfer, so it pays the uplinks' hop;
+  a ring inside one rack pays the NIC hop."""
+  fab = _two_racks().fitted("nic", hop_us=100.0).fitted("leaf_up", hop_us=400.0)
+  assert (fab.hop_us("nic"), fab.hop_us("leaf_up"), fab.net_hop_us) == (100.0, 400.0, 100.0)
+  inside = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2), "ring")
+  across = fc.predict(fab, "all_reduce", 1e6, fc.Shape(1, 2, 2), "ring")
+  assert inside.latency_us == pytest.approx(2 * 100.0)
+  assert across.latency_us == pytest.approx(6 * 400.0)  # with the NIC's hop for all steps it would be 600
+  assert "hop across it 400 us" in " ".join(fab.describe())
 
 
 def test_report_fits_the_fabric_from_a_run_folder(tmp_path):
@@ -284,7 +315,7 @@ def test_report_fits_the_fabric_from_a_run_folder(tmp_path):
   alpha_beta.write_model(str(run), [_fit("scale_out", 2, 0.5, 100.0)])
   r = _report("--fabric=testbed:racks=1,hosts_per_rack=4", f"--fit_from={run}", "--shapes=1x4", "--predict=1M")
   assert r.returncode == 0, r.stderr
-  assert "# nic fitted from all_reduce over scale_out (2 ranks, float32): 0.5 GB/s, hop 50 us" in r.stdout
+  assert "# nic fitted: 0.5 GB/s from all_reduce over scale_out (2 ranks, float32), hop 50 us" in r.stdout
   row = next(line for line in r.stdout.splitlines() if line.startswith("| all_reduce"))
   assert f"| {6 * 50 + 1.5 * (1 << 20) / 0.5e3:.4g} |" in row
   bad = _report("--fabric=testbed", f"--fit_from={tmp_path}", "--shapes=1x4", "--predict=1M")

@@ -110,7 +110,7 @@ def test_predict_fits_the_links_from_sweeps(tmp_path):
          "--bytes_scale=0.005", f"--fit_from={run_dir}"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
   assert r.returncode == 0, r.stderr
-  assert "nic fitted from all_reduce over scale_out (2 ranks, float32): 0.01 GB/s, hop 200 us" in r.stdout + r.stderr
+  assert "nic fitted: 0.01 GB/s from all_reduce over scale_out (2 ranks, float32), hop 200 us" in r.stdout + r.stderr
   got = predict.read(str(tmp_path / "r"))
   assert any("fitted from sweeps: nic" in line for line in got["fabric"])
   bad = subprocess.run(cmd[:-1] + [f"--fit_from={tmp_path}"], capture_output=True, text=True, check=False, timeout=120)

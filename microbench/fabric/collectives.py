@@ -193,10 +193,12 @@ def _latency(fab: Fabric, collective: str, algorithm: str, n: int, levels: list[
   if not levels:
     return 0.0
   slowest = max(lv.hop_us for lv in levels)
+  # A step's network transfers run at once, so a step that crosses racks anywhere waits for the uplinks' hop.
+  net_hop = max((lv.hop_us for lv in levels if lv.name != "scale_up"), default=fab.net_hop_us)
   if algorithm == "tree":
     chain = next((lv.children - 1 for lv in levels if lv.name == "scale_up"), 0)
     domains = math.prod(lv.children for lv in levels if lv.name != "scale_up")
-    return fab.base_us + 2 * (chain * fab.hop_us("scale_up") + math.ceil(math.log2(max(1, domains))) * fab.net_hop_us)
+    return fab.base_us + 2 * (chain * fab.hop_us("scale_up") + math.ceil(math.log2(max(1, domains))) * net_hop)
   if algorithm == "hierarchical":
     return fab.base_us + sum(2 * (lv.children - 1) * lv.hop_us for lv in levels)
   if algorithm == "nvls":
@@ -207,7 +209,7 @@ def _latency(fab: Fabric, collective: str, algorithm: str, n: int, levels: list[
   per = RING_STEPS[collective]
   domains = math.prod(lv.children for lv in levels if lv.name != "scale_up")
   inter = per * (domains - 1) if any(lv.name != "scale_up" for lv in levels) else 0
-  return fab.base_us + (per * (n - 1) - inter) * fab.hop_us("scale_up") + inter * fab.net_hop_us
+  return fab.base_us + (per * (n - 1) - inter) * fab.hop_us("scale_up") + inter * net_hop
 
 
 def _assumptions(fab: Fabric, algorithm: str, shape: Shape) -> tuple[str, ...]:

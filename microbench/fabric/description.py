@@ -50,6 +50,7 @@ class Fabric:
   base_us: float = BASE_US
   scale_up_hop_us: float = NVLINK_HOP_US
   net_hop_us: float = NET_HOP_US
+  uplink_hop_us: float | None = None  # a hop whose path crosses leaf uplinks; None: as net_hop_us
   assumed: tuple[str, ...] = ()
   fitted_levels: tuple[str, ...] = ()
 
@@ -81,7 +82,13 @@ class Fabric:
     return below if explicit is None else min(explicit, below)
 
   def hop_us(self, level: str) -> float:
-    return self.scale_up_hop_us if level == "scale_up" else self.net_hop_us
+    """The hop latency of a step whose path leaves a unit of `level` (across racks: the uplinks' own, when a
+    sweep measured it, since on a real fabric those paths cross more switches)."""
+    if level == "scale_up":
+      return self.scale_up_hop_us
+    if level in ("leaf_up", "group_up") and self.uplink_hop_us is not None:
+      return self.uplink_hop_us
+    return self.net_hop_us
 
   def fitted(self, level: str, gbps: float | None = None, hop_us: float | None = None) -> Fabric:
     """This fabric with one level's rate and hop latency taken from a fit: scale_up per GPU, nic per NIC,
@@ -96,7 +103,7 @@ class Fabric:
       else:
         change[key] = gbps
     if hop_us is not None:
-      change["scale_up_hop_us" if level == "scale_up" else "net_hop_us"] = hop_us
+      change[{"scale_up": "scale_up_hop_us", "nic": "net_hop_us"}.get(level, "uplink_hop_us")] = hop_us
     return dataclasses.replace(self, fitted_levels=tuple(dict.fromkeys(self.fitted_levels + (level,))),
                                **change)
 
@@ -111,7 +118,8 @@ class Fabric:
       out.append(f"nic: {self.nics_per_node} x {self.nic_gbps:g} GB/s per node ({self.nic_link or 'given'}),"
                  f" hop {self.net_hop_us:g} us")
       out.append(f"leaf_up: {self.nodes_per_leaf} nodes per leaf, "
-                 + (f"{self.leaf_up_gbps:g} GB/s up" if self.leaf_up_gbps else "non-blocking"))
+                 + (f"{self.leaf_up_gbps:g} GB/s up" if self.leaf_up_gbps else "non-blocking")
+                 + (f", hop across it {self.uplink_hop_us:g} us" if self.uplink_hop_us is not None else ""))
       out.append(f"group_up: {self.leaves_per_group} leaves per group, "
                  + (f"{self.group_up_gbps:g} GB/s out" if self.group_up_gbps else "non-blocking"))
     if self.fitted_levels:

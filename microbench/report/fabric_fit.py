@@ -4,15 +4,15 @@ the level its groups cross, so predictions for other group shapes start from wha
 Which level a scope measures comes from the run's meta.json: groups inside a node (`gpu` axis) measure
 scale_up; groups across nodes of one rack measure the NICs (scale_out is one rail: one GPU and one NIC per
 node); groups across racks measure the leaf uplinks. The rate is the fit's asymptotic busbw (a ring's busbw
-is the slowest link it crosses), the hop latency the fit's alpha over the ring's steps. All-reduce fits are
-preferred (the collective every model is about); a level no series measured keeps its described rate.
+is the slowest link it crosses), the hop latency the fit's alpha over the ring's steps (a hop across racks
+is the uplink level's own, `Fabric.uplink_hop_us`). All-reduce fits are preferred (the collective every model is about); a level no series measured keeps its described rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from microbench.fabric.description import Fabric, FabricError
+from microbench.fabric.description import LEVELS, Fabric, FabricError
 from microbench.output import run_folder
 from microbench.report import alpha_beta
 from microbench.report.alpha_beta import Fit
@@ -36,26 +36,55 @@ def level_of(scope: str, meta: dict) -> str | None:
   return None
 
 
-def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, list[str]]:
-  """`fab` with every level a good fit measured replaced by the fit; notes say what came from where."""
+def _rate_ok(f: Fit) -> bool:
+  return f.busbw_beta_gbps is not None and f.bandwidth_poor() is None and not (
+      f.r2 is not None and f.r2 < alpha_beta.POOR_R2)
+
+
+def _hop_ok(f: Fit) -> bool:
+  """A two-regime fit's latency stands on its own points; a one-line fit's alpha only when the line is good."""
+  if f.alpha_per_step_us is None:
+    return False
+  return f.latency_poor() is None if f.latency_points else f.poor() is None
+
+
+def _best(fits: Sequence[Fit], meta: dict, ok) -> dict[str, Fit]:
   chosen: dict[str, Fit] = {}
   for f in fits:
     level = level_of(f.scope, meta)
-    if level is None or f.busbw_beta_gbps is None or f.collective not in PREFERRED or f.poor():
+    if level is None or f.collective not in PREFERRED or not ok(f):
       continue
     old = chosen.get(level)
     better = old is None or PREFERRED.index(f.collective) < PREFERRED.index(old.collective) or (
         f.collective == old.collective and f.group_size > old.group_size)
     if better:
       chosen[level] = f
+  return chosen
+
+
+def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, list[str]]:
+  """`fab` with every level a good fit measured replaced by the fit: its rate from a fit whose bandwidth is
+  good, its hop latency from one whose latency is good (a two-regime fit can have one and not the other);
+  notes say what came from where."""
+  rates, hops = _best(fits, meta, _rate_ok), _best(fits, meta, _hop_ok)
   notes = []
-  for level, f in chosen.items():
-    fab = fab.fitted(level, gbps=f.busbw_beta_gbps, hop_us=f.alpha_per_step_us)
-    notes.append(f"{level} fitted from {f.collective} over {f.scope} ({f.group_size} ranks, {f.dtype}):"
-                 f" {f.busbw_beta_gbps:.4g} GB/s, hop {f.alpha_per_step_us or 0:.3g} us")
-  skipped = sorted({f.scope for f in fits if f.poor()})
-  if skipped:
-    notes.append(f"series with a poor fit not used: scopes {', '.join(skipped)}")
+  for level in [lv for lv in LEVELS if lv in rates or lv in hops]:
+    r, h = rates.get(level), hops.get(level)
+    fab = fab.fitted(level, gbps=r.busbw_beta_gbps if r else None, hop_us=h.alpha_per_step_us if h else None)
+    parts = []
+    if r:
+      parts.append(f"{r.busbw_beta_gbps:.4g} GB/s from {r.collective} over {r.scope} ({r.group_size} ranks,"
+                   f" {r.dtype})")
+    if h:
+      src = "" if h is r else f" from {h.collective} over {h.scope} ({h.group_size} ranks, {h.dtype})"
+      parts.append(f"hop {h.alpha_per_step_us or 0:.3g} us{src}"
+                   + (f" ({h.latency_points} latency-bound sizes)" if h.latency_points else ""))
+    kept = [] if r else ["rate as described (no good bandwidth fit)"]
+    kept += [] if h else ["hop as described (no good latency fit)"]
+    notes.append(f"{level} fitted: {', '.join(parts + kept)}")
+  poor = sorted({f"{f.scope} ({f.collective}: {f.poor()})" for f in fits if f.poor() and f.collective in PREFERRED})
+  if poor:
+    notes.append(f"series with a poor fit (only their good regime used): {'; '.join(poor)}")
   return fab, notes
 
 
@@ -69,7 +98,7 @@ def fit_from_run(fab: Fabric, run_dir: str) -> tuple[Fabric, list[str]]:
   if fits is None:
     fits = alpha_beta.fit_run(run_folder.read_results(run_dir))
   fab, notes = fit_levels(fab, fits, meta)
-  if not any("fitted from" in n for n in notes):
+  if not any(" fitted: " in n for n in notes):
     raise FabricError(f"--fit_from={run_dir}: no series there measures a level of the fabric with a good"
-                      " all-reduce, all-gather or reduce-scatter fit")
+                      " all-reduce, all-gather or reduce-scatter fit (of its bandwidth or its latency)")
   return fab, notes

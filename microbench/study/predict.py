@@ -88,9 +88,10 @@ class Links:
     f = self.fabric
     if n < 2 or not paths:
       return call_us * 1e-6
-    network = any(x.startswith(("node", "leaf", "group")) for p in paths for x in p)
+    across = any(x.startswith(("leaf", "group")) for p in paths for x in p)
+    network = across or any(x.startswith("node") for p in paths for x in p)
     on_node = any(x.startswith("gpu") for p in paths for x in p)
-    hop = f.net_hop_us if network else f.scale_up_hop_us if on_node else 0.0
+    hop = f.hop_us("leaf_up") if across else f.net_hop_us if network else f.scale_up_hop_us if on_node else 0.0
     steps = ring_steps("ppermute" if op == "permute" else op, n) or 1
     return (f.base_us + steps * hop + call_us) * 1e-6
 
@@ -227,8 +228,8 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
       key = runner.key_of(job)
       if key not in alone:  # the baseline: the key's first job alone on its nodes
         alone[key] = mix_times(machine, [job], **scales, **model)[job["name"]][0]
-        no_latency = dict(model, call_us=0.0, fabric=dataclasses.replace(fab, base_us=0.0, net_hop_us=0.0,
-                                                                          scale_up_hop_us=0.0))
+        no_latency = dict(model, call_us=0.0, fabric=dataclasses.replace(
+            fab, base_us=0.0, net_hop_us=0.0, uplink_hop_us=None, scale_up_hop_us=0.0))
         bare = mix_times(machine, [job], **scales, **no_latency)[job["name"]][0]
         latency_share[key] = 1.0 - bare / alone[key] if alone[key] > 0 else 0.0
   out_exps = {}
@@ -251,7 +252,8 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
   return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
               "a collective moves as NCCL's ring (all-to-all and permutes as direct sends)",
               f"a collective's latency: base {fab.base_us:g} us + ring steps x hop (network {fab.net_hop_us:g} us,"
-              f" scale-up {fab.scale_up_hop_us:g} us)" + (f" + {call_us:g} us per call" if call_us else ""),
+              + (f" across racks {fab.uplink_hop_us:g} us," if fab.uplink_hop_us is not None else "")
+              + f" scale-up {fab.scale_up_hop_us:g} us)" + (f" + {call_us:g} us per call" if call_us else ""),
               "the key's baseline is its first job alone on that job's nodes"],
           "settings": {**scales, "call_us": call_us}, "experiments": out_exps, "keys": keys}
 
