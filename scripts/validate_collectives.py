@@ -45,9 +45,11 @@ def measured(out: str) -> dict[tuple[str, int], float]:
           if r.get("status") == "ok" and not r.get("wrong") and r.get("time_us")}
 
 
-def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str) -> dict[tuple[str, int], tuple]:
+def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str, queue: str
+              ) -> dict[tuple[str, int], tuple]:
   cmd = [sys.executable, "-m", "microbench.cli.report",
-         f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={HOST},uplink_rate={UPLINK}",
+         f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={HOST},uplink_rate={UPLINK},"
+         f"queue={queue}",
          f"--fit_from={','.join(fit_dirs)}", f"--shapes={shape}", "--predict=1M,4M,16M",
          "--fabric_collectives=all_reduce,all_gather"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=True)
@@ -65,9 +67,10 @@ def main() -> int:
   ap.add_argument("--out", required=True)
   ap.add_argument("--queue", default="fifo", choices=QUEUES,
                   help="the testbed links' queues (microbench-testbed --queue)")
-  ap.add_argument("--fit_min_bytes", default="1K",
+  ap.add_argument("--fit_min_bytes", default="1M",
                   help="smallest size of the 2-host sweeps the levels are fitted from (1K: latency-bound sizes"
-                       " too, so the fits have a latency regime; 1M: bandwidth only, as before 2026-12-02)")
+                       " too, so the fits get a latency regime; on this VM their times jitter by milliseconds"
+                       " and the regime is judged poor, see BUILD_NOTES)")
   a = ap.parse_args()
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []
@@ -79,7 +82,7 @@ def main() -> int:
   errors = []
   for name, hosts, racks, shape in TARGETS:
     run_dir = os.path.join(a.out, f"{hosts}hosts-{racks}racks")
-    pred = predicted(fit_dirs, hosts // racks, racks, shape)  # before the run
+    pred = predicted(fit_dirs, hosts // racks, racks, shape, a.queue)  # before the run
     sweep(run_dir, hosts, racks, a.queue)
     got = measured(run_dir)
     for (coll, size), (t, algo, neck) in sorted(pred.items()):
