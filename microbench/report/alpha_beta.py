@@ -121,7 +121,7 @@ class Fit:
 def fit_points(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[float, float | None, str]:
   """(alpha_us, beta_gbps, method): through the largest measured point, alpha >= 0 and beta > 0.
 
-  With latency-bound sizes (`latency_bound`), two regimes: alpha is their median excess over the bandwidth
+  With latency-bound sizes (see `LATENCY_BOUND`), two regimes: alpha is their median excess over the bandwidth
   term, beta the line from alpha through the largest point. Without them, one line through the largest point
   whose slope minimises the squared relative errors of all points: a least-squares fit (even on relative
   error) lets the many latency-bound small sizes outvote the few bandwidth-bound large ones and missed the
@@ -159,8 +159,9 @@ def _arrays(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[np.ndarr
 def _two_regimes(s: np.ndarray, t: np.ndarray, s_max: float, t_max: float
                  ) -> tuple[float, float, np.ndarray] | None:
   """(alpha_us, b us/byte, latency-bound mask), or None with fewer than two latency-bound sizes below the
-  largest or a largest size that is latency-bound itself. Fixed point: the bandwidth term decides which sizes are latency-bound, their median excess is
-  alpha, and alpha moves the line through the largest point; it settles in a few rounds (alpha << t_max)."""
+  largest or a largest size that is latency-bound itself. Fixed point: the bandwidth term decides which sizes
+  are latency-bound, their median excess is alpha, and alpha moves the line through the largest point; it
+  settles in a few rounds (alpha << t_max)."""
   alpha, mask = 0.0, None
   for _ in range(20):
     b = (t_max - alpha) / s_max

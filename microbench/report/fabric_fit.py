@@ -5,7 +5,8 @@ Which level a scope measures comes from the run's meta.json: groups inside a nod
 scale_up; groups across nodes of one rack measure the NICs (scale_out is one rail: one GPU and one NIC per
 node); groups across racks measure the leaf uplinks. The rate is the fit's asymptotic busbw (a ring's busbw
 is the slowest link it crosses), the hop latency the fit's alpha over the ring's steps (a hop across racks
-is the uplink level's own, `Fabric.uplink_hop_us`). All-reduce fits are preferred (the collective every model is about); a level no series measured keeps its described rate.
+is the uplink level's own, `Fabric.uplink_hop_us`). All-reduce fits are preferred (the collective every
+model is about); a level no series measured keeps its described rate.
 """
 
 from __future__ import annotations
