@@ -104,7 +104,7 @@ def main() -> int:
       with open(os.path.join(res, "report", "sigma.json"), encoding="utf-8") as f:
         table = json.load(f)
     except OSError:
-      rows.append((i, name, "-", None, None, "no report"))
+      rows.append((i, name, "-", None, None, "no report", None))  # the table still shows the others
       continue
     again = None
     if a.repredict:
