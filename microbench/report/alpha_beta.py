@@ -156,6 +156,12 @@ def _arrays(sizes: Iterable[float], times_us: Iterable[float]) -> tuple[np.ndarr
   return s, t, s_max, float(np.median(t[s == s_max]))  # several runs of the largest size: their median
 
 
+def latency_bound(s: np.ndarray, t: np.ndarray, b: float) -> np.ndarray:
+  """Which points are latency-bound at `b` us/byte: bandwidth term under LATENCY_BOUND of the time, and not
+  the largest size (the bandwidth regime's anchor)."""
+  return (s * b < LATENCY_BOUND * t) & (s < s.max())
+
+
 def _two_regimes(s: np.ndarray, t: np.ndarray, s_max: float, t_max: float
                  ) -> tuple[float, float, np.ndarray] | None:
   """(alpha_us, b us/byte, latency-bound mask), or None with fewer than two latency-bound sizes below the
@@ -165,7 +171,7 @@ def _two_regimes(s: np.ndarray, t: np.ndarray, s_max: float, t_max: float
   alpha, mask = 0.0, None
   for _ in range(20):
     b = (t_max - alpha) / s_max
-    new_mask = (s * b < LATENCY_BOUND * t) & (s < s_max)
+    new_mask = latency_bound(s, t, b)
     if np.unique(s[new_mask]).size < 2:
       return None
     new_alpha = max(0.0, float(np.median(t[new_mask] - s[new_mask] * b)))
@@ -198,7 +204,7 @@ def fit_series(key: tuple[str, str, str, int], recs: list[dict[str, Any]]) -> Fi
   rel = (pred - t) / t
   regimes: dict[str, Any] = {}
   if method.startswith("two regimes"):
-    lat = (np.asarray(sizes) / (beta * 1e3) < LATENCY_BOUND * t) & (np.asarray(sizes) < sizes[-1])
+    lat = latency_bound(np.asarray(sizes), t, 1.0 / (beta * 1e3))
     regimes = dict(latency_points=int(lat.sum()), latency_max_rel_err=float(np.max(np.abs(rel[lat]))),
                    bandwidth_max_rel_err=float(np.max(np.abs(rel[~lat]))))
   ss_tot = float(np.sum((t - t.mean()) ** 2))
