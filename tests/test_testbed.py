@@ -103,13 +103,14 @@ def test_shape_commands():
 
 def test_fair_queue_commands():
   """A queue per host pair: the leaves' guaranteed shares fit in the link, each may borrow all of it, equal
-  quanta (even split of what idle pairs leave), and each pair's filter names its source and destination."""
+  16 KB quanta (even split of what idle pairs leave, turns short enough for a bursty pair), and each pair's filter
+  names its source and destination."""
   lines = tbm.fair_commands("ns", "up0", 100_000_000, 0, [("10.77.0.1", "10.77.0.3"), ("10.77.0.2", "10.77.0.3")])
   assert lines[0] == "qdisc add dev up0 root handle 1: htb default 2"
   leaves = [l for l in lines if l.startswith("class add") and "parent 1:1 " in l]
   assert len(leaves) == 3  # the default class (ARP, anything unmatched) and one per pair
   rates = [int(re.search(r" rate (\d+)bit", l).group(1)) for l in leaves]
-  assert sum(rates) <= 100_000_000 and all(" ceil 100000000bit" in l and "quantum 65536" in l for l in leaves)
+  assert sum(rates) <= 100_000_000 and all(" ceil 100000000bit" in l and "quantum 16384" in l for l in leaves)
   filters = [l for l in lines if l.startswith("filter")]
   assert filters == [
       "filter add dev up0 parent 1: protocol ip prio 1 u32 match ip src 10.77.0.1/32 match ip dst 10.77.0.3/32 flowid 1:3",
@@ -287,6 +288,10 @@ def test_fair_queue_puts_each_host_pair_in_its_own_queue(bed_id, monkeypatch):
   try:
     _send(bed, 0, 3, 2_000_000)
     assert _pair_carried(bed, 0, 3, 2_000_000) == []
+    # Packets of at most a turn (16 KB) on both ends of every host link, so a fair queue's turn stays short.
+    for ns, dev in [(bed.host_ns(i), "eth0") for i in range(4)] + [(bed.switch_ns, f"h{i}") for i in range(4)]:
+      shown = subprocess.run(["ip", "-n", ns, "-d", "link", "show", dev], capture_output=True, text=True).stdout
+      assert " gso_max_size 16384 " in shown, (ns, dev, shown)
   finally:
     bed.down()
   real = tbm.fair_commands

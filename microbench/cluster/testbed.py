@@ -100,6 +100,13 @@ def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> l
 
 
 QUEUES = ("fifo", "fair")
+# Fair queues take turns of at most 16 KB (1.3 ms at 100 Mbit/s), closer to a switch's per-packet arbitration:
+# with 64 KB turns (and 64 KB segmentation-offload packets) a pair waited 5 ms per turn behind a bulk pair, so a
+# transfer with ~128 KB in flight (a 1.6 MB all-reduce bucket) got a third of a shared uplink instead of half
+# (BUILD_NOTES, sigma #7). The hosts' links send offload packets of at most this size (gso_max_size), since an
+# HTB turn is at least one packet. Not one frame: 1514-byte packets cost the two lab cores enough that jobs
+# sharing no link slowed each other by 1.6-1.9x; 32 KB turns left sigma #7's DP at -23%.
+FAIR_TURN_BYTES = 16384
 MAX_FAIR_HOSTS = 64  # fair queues classify every host pair on every link: N^2 filters
 
 
@@ -117,7 +124,7 @@ def fair_commands(ns: str, dev: str, rate_bits: int, delay_us: int,
   burst = max(32 * 1024, rate_bits // 8 // 500)  # as tbf's: 2 ms at line rate
   limit = max(burst, rate_bits // 8 // 20)  # 50 ms at line rate
   share = max(8000, rate_bits // (len(pairs) + 1))
-  leaf = f"rate {share}bit ceil {rate_bits}bit burst {burst} cburst {burst} quantum 65536"
+  leaf = f"rate {share}bit ceil {rate_bits}bit burst {burst} cburst {burst} quantum {FAIR_TURN_BYTES}"
   lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
            f"class add dev {dev} parent 1: classid 1:1 htb rate {rate_bits}bit ceil {rate_bits}bit "
            f"burst {burst} cburst {burst}"]
@@ -293,6 +300,9 @@ class Testbed:
       _run(["ip", "-n", sw, "link", "add", f"h{i}", "type", "veth", "peer", "name", "eth0", "netns", ns])
       _run(["ip", "-n", sw, "link", "set", f"h{i}", "master", f"br{self.rack_of(i)}", "up"])
       _run(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/16", "dev", "eth0"])
+      if self.queue == "fair":  # packets no larger than a fair queue's turn, on both ends of the host link
+        for where, dev in ((ns, "eth0"), (sw, f"h{i}")):
+          _run(["ip", "-n", where, "link", "set", dev, "gso_max_size", str(FAIR_TURN_BYTES)])
       _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
       others = [self.addr(j) for j in range(self.hosts) if j != i]
       self._shape(ns, "eth0", self.host_rate, self.host_delay_us, [(self.addr(i), b) for b in others])  # out
