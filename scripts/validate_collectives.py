@@ -18,7 +18,7 @@ import sys
 
 from microbench.cluster.testbed import QUEUES
 
-HOST, UPLINK = "400mbit", "200mbit"
+HOST, UPLINK = "400mbit", "200mbit"  # defaults; --host_rate / --uplink_rate
 SWEEP = ["--collectives=all_reduce,all_gather", "--scopes=scale_out", "--max_bytes=16M",
          "--step_factor=4", "--samples=5", "--warmup=1"]
 FIT_FROM = [("fit-2hosts", 2, 1), ("fit-2racks", 2, 2)]  # the NICs (one rack), the uplinks (two racks)
@@ -27,6 +27,7 @@ TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"
 
 
 def sweep(out: str, hosts: int, racks: int, queue: str, min_bytes: str = "1M") -> None:
+  """One sweep on a fresh testbed, kept: a re-run with the same OUT skips what is there."""
   if os.path.exists(os.path.join(out, "results.jsonl")) and os.path.exists(os.path.join(out, "model.json")):
     return
   cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--hosts={hosts}", f"--racks={racks}",
@@ -63,6 +64,7 @@ def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str, 
 
 
 def main() -> int:
+  global HOST, UPLINK  # pylint: disable=global-statement
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--queue", default="fifo", choices=QUEUES,
@@ -71,7 +73,10 @@ def main() -> int:
                   help="smallest size of the 2-host sweeps the levels are fitted from (1K: latency-bound sizes"
                        " too, so the fits get a latency regime; on this VM their times jitter by milliseconds"
                        " and the regime is judged poor, see BUILD_NOTES)")
+  ap.add_argument("--host_rate", default=HOST, help="every host link (microbench-testbed --host_rate)")
+  ap.add_argument("--uplink_rate", default=UPLINK, help="the uplinks of the 2-rack sweeps")
   a = ap.parse_args()
+  HOST, UPLINK = a.host_rate, a.uplink_rate
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []
   for name, hosts, racks in FIT_FROM:
