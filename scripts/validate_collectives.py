@@ -18,7 +18,7 @@ import sys
 
 from microbench.cluster.testbed import QUEUES
 
-HOST, UPLINK = "400mbit", "200mbit"  # defaults; --host_rate / --uplink_rate
+HOST, UPLINK = "400mbit", "200mbit"  # the defaults of --host_rate and --uplink_rate
 SWEEP = ["--collectives=all_reduce,all_gather", "--scopes=scale_out", "--max_bytes=16M",
          "--step_factor=4", "--samples=5", "--warmup=1"]
 FIT_FROM = [("fit-2hosts", 2, 1), ("fit-2racks", 2, 2)]  # the NICs (one rack), the uplinks (two racks)
@@ -26,12 +26,12 @@ TARGETS = [("4 hosts, one rack", 4, 1, "1x4"), ("8 hosts, one rack", 8, 1, "1x8"
            ("2 racks x 2 hosts, across the uplinks", 4, 2, "1x2x2")]
 
 
-def sweep(out: str, hosts: int, racks: int, queue: str, min_bytes: str = "1M") -> None:
+def sweep(out: str, hosts: int, racks: int, rates: tuple[str, str], queue: str, min_bytes: str = "1M") -> None:
   """One sweep on a fresh testbed, kept: a re-run with the same OUT skips what is there."""
   if os.path.exists(os.path.join(out, "results.jsonl")) and os.path.exists(os.path.join(out, "model.json")):
     return
   cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--hosts={hosts}", f"--racks={racks}",
-         f"--host_rate={HOST}", *([f"--uplink_rate={UPLINK}"] if racks > 1 else []), f"--queue={queue}", "--",
+         f"--host_rate={rates[0]}", *([f"--uplink_rate={rates[1]}"] if racks > 1 else []), f"--queue={queue}", "--",
          sys.executable, "-m", "microbench", "--distributed", *SWEEP, f"--min_bytes={min_bytes}",
          f"--nodes_per_rack={hosts // racks}", f"--outdir={out}"]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -46,10 +46,10 @@ def measured(out: str) -> dict[tuple[str, int], float]:
           if r.get("status") == "ok" and not r.get("wrong") and r.get("time_us")}
 
 
-def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str, queue: str
+def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str, rates: tuple[str, str], queue: str
               ) -> dict[tuple[str, int], tuple]:
   cmd = [sys.executable, "-m", "microbench.cli.report",
-         f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={HOST},uplink_rate={UPLINK},"
+         f"--fabric=testbed:racks={racks},hosts_per_rack={hosts_per_rack},host_rate={rates[0]},uplink_rate={rates[1]},"
          f"queue={queue}",
          f"--fit_from={','.join(fit_dirs)}", f"--shapes={shape}", "--predict=1M,4M,16M",
          "--fabric_collectives=all_reduce,all_gather"]
@@ -64,7 +64,6 @@ def predicted(fit_dirs: list[str], hosts_per_rack: int, racks: int, shape: str, 
 
 
 def main() -> int:
-  global HOST, UPLINK  # pylint: disable=global-statement
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--out", required=True)
   ap.add_argument("--queue", default="fifo", choices=QUEUES,
@@ -76,19 +75,19 @@ def main() -> int:
   ap.add_argument("--host_rate", default=HOST, help="every host link (microbench-testbed --host_rate)")
   ap.add_argument("--uplink_rate", default=UPLINK, help="the uplinks of the 2-rack sweeps")
   a = ap.parse_args()
-  HOST, UPLINK = a.host_rate, a.uplink_rate
+  rates = (a.host_rate, a.uplink_rate)
   os.makedirs(a.out, exist_ok=True)
   fit_dirs = []
   for name, hosts, racks in FIT_FROM:
     fit_dirs.append(os.path.join(a.out, name))
-    sweep(fit_dirs[-1], hosts, racks, a.queue, a.fit_min_bytes)
+    sweep(fit_dirs[-1], hosts, racks, rates, a.queue, a.fit_min_bytes)
   lines = ["| target | collective | size | measured (us) | predicted (us) | algorithm | bottleneck | error |",
            "|---|---|---|---|---|---|---|---|"]
   errors = []
   for name, hosts, racks, shape in TARGETS:
     run_dir = os.path.join(a.out, f"{hosts}hosts-{racks}racks")
-    pred = predicted(fit_dirs, hosts // racks, racks, shape, a.queue)  # before the run
-    sweep(run_dir, hosts, racks, a.queue)
+    pred = predicted(fit_dirs, hosts // racks, racks, shape, rates, a.queue)  # before the run
+    sweep(run_dir, hosts, racks, rates, a.queue)
     got = measured(run_dir)
     for (coll, size), (t, algo, neck) in sorted(pred.items()):
       m = got.get((coll, size))
