@@ -291,3 +291,39 @@ def test_max_bytes_auto_is_4m_on_cpu_and_never_below_min_bytes(tmp_path):
   assert [rec["bytes"] for rec in _records(out)] == [1 << 20, 2 << 20, 4 << 20]  # ends at 4M, not 16M (tests double)
   meta = json.loads((out / "meta.json").read_text())
   assert meta["flags"]["max_bytes"] == "auto" and meta["max_bytes"] == 4 << 20
+
+
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_a_point_that_fails_to_run_fails_the_run(tmp_path, parsed_flags, monkeypatch, capsys, keep_going):
+  """A point whose program fails (here: its timed runs raise, as an out-of-memory would) is recorded as failed
+  and the run exits 1 naming it; without --keep_going the sweep stops there, keeping every point before it,
+  with it the sweep measures the rest. Never `skipped` with exit 0."""
+  from microbench.bench import program, run as bench_run, sweep
+
+  real = program.time_pairs
+  calls = []
+
+  def fail_second(*a, **k):
+    calls.append(1)
+    if len(calls) == 2:
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while trying to allocate 12 bytes")
+    return real(*a, **k)
+
+  monkeypatch.setattr(program, "time_pairs", fail_second)
+  cfg = sweep.SweepConfig(("all_reduce",), ("scale_up",), ("float32",), 64, 256, 2, 6, 0, 2, True,
+                          keep_going=keep_going)
+  code = bench_run.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
+                           flag_values={"distributed": False})
+  assert code == 1
+  recs = _records(tmp_path)
+  assert [r["status"] for r in recs] == (["ok", "failed", "ok"] if keep_going else ["ok", "failed"])
+  assert "RESOURCE_EXHAUSTED" in recs[1]["reason"]
+  out = capsys.readouterr().out
+  assert "# 1 point(s) FAILED to compile or run:" in out
+  assert "point 2/3 (all_reduce over scale_up, float32, 128 B): run failed: RuntimeError: RESOURCE_EXHAUSTED" in out
+  meta = json.loads((tmp_path / "meta.json").read_text())
+  assert meta["status"] == ("finished" if keep_going else "failed")
+  # A resume tries the failed point again (and, here, measures it).
+  monkeypatch.setattr(program, "time_pairs", real)
+  assert bench_run.execute(cfg, None, str(tmp_path), resumed=True, nodes_per_rack=None,
+                           flag_values={"distributed": False}) == 0

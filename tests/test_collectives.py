@@ -198,7 +198,7 @@ def test_hlo_check_counts_repetitions(mesh):
     hlo_check.verify(long.hlo_text, exp)
 
 
-def test_run_point_records_a_runtime_failure_as_skipped(mesh, monkeypatch):
+def test_run_point_records_a_runtime_failure_as_failed(mesh, monkeypatch):
   cfg = sweep.SweepConfig(("all_reduce",), ("scale_up",), ("float32",), 1024, 1024, 2, 4, 0, 2, True)
 
   def boom(*a, **k):
@@ -206,7 +206,7 @@ def test_run_point_records_a_runtime_failure_as_skipped(mesh, monkeypatch):
 
   monkeypatch.setattr(program, "time_pairs", boom)
   rec = sweep.run_point(cfg, mesh, PLANS["scale_up"], collectives.get("all_reduce"), "float32", 1024, lambda: None)
-  assert rec["status"] == "skipped" and "RESOURCE_EXHAUSTED" in rec["reason"]
+  assert rec["status"] == "failed" and "RESOURCE_EXHAUSTED" in rec["reason"]
 
 
 def test_run_point_record(mesh):

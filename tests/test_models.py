@@ -29,7 +29,7 @@ def _param_count(family: str, size: str, **kw) -> int:
     ("vit", "h14", 632_045_800),  # timm vit_huge_patch14_224
     ("resnet", "50", 25_557_032),  # torchvision resnet50
     ("mixtral", "8x7b", 46_702_792_704),  # Mixtral-8x7B-v0.1
-    ("minerva", "7b", 7_399_542_784),  # the study's DP+PP model (reference/methodology.md)
+    ("minerva", "7b", 7_399_542_784),  # the study's DP+PP model (docs/study.md)
 ])
 def test_published_parameter_counts(family, size, count):
   assert _param_count(family, size) == count

@@ -170,6 +170,11 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     meta["reason"] = str(e)
     out.print(f"\n# {e}; every finished point is in results.jsonl; continue with --resume={outdir}")
     return JOB_FAILED
+  except sweep.PointFailed as e:
+    status = "failed"
+    meta["reason"] = str(e)
+    out.print(f"\n# stopped: {e}\n# every point measured before it is in results.jsonl; --keep_going measures"
+              f" the rest past failed points, --resume={outdir} tries the failed point again")
   finally:
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
@@ -182,7 +187,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.print(table.summary(everything))
   wrong = sum((r.get("wrong") or 0) + (r.get("timed_wrong") or 0) for r in everything if r["status"] == "ok")
   errors = [r for r in everything if r["status"] == "error"]
-  skipped = [r for r in everything if r["status"] == "skipped"]
+  failed = [r for r in everything if r["status"] in ("failed", "skipped")]  # `skipped`: older runs' name
   compiled = [r for r in everything if r["status"] == "compiled"]
   if target:
     too_big = [r for r in compiled if r.get("fits") is False]
@@ -191,8 +196,10 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
               f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses (XLA_PYTHON_CLIENT_MEM_FRACTION)")
   else:
     out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
-  if skipped:
-    out.print(f"# {len(skipped)} point(s) skipped, see 'reason' in results.jsonl")
+  if failed:
+    out.print(f"# {len(failed)} point(s) FAILED to compile or run:")
+    for r in failed:
+      out.print(f"#   {sweep.describe_point(r)}: {r.get('reason', '')}")
   if errors:
     out.print(f"# {len(errors)} point(s) failed their HLO check: {errors[0]['reason']}")
-  return 1 if wrong or errors else 0
+  return 1 if wrong or errors or failed else 0

@@ -30,6 +30,10 @@ class JobFailed(RuntimeError):
   """Another process of a multi-process job failed: the remaining points can't be measured."""
 
 
+class PointFailed(RuntimeError):
+  """A point's program failed to compile or run and the user did not ask to keep going (--keep_going)."""
+
+
 STRAGGLER_SPREAD = 0.10  # cross-process spread of per-process median times, as a share of the median
 DEADLINE_FACTOR = 10.0   # a device step may take this many times its expected duration
 
@@ -57,6 +61,7 @@ class SweepConfig:
   device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)
   profile_points: tuple[int, ...] = ()  # --profile_points: point numbers (as printed, from 1) to trace
   profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
+  keep_going: bool = False  # --keep_going: a failed point is recorded and the sweep goes on (else it stops)
 
   @property
   def latency_mode(self) -> bool:
@@ -66,7 +71,7 @@ class SweepConfig:
 def finished_points(records: list[dict[str, Any]]) -> set[tuple]:
   """Points a resumed run need not repeat: measured, compiled for a target, or failed their HLO check
   (deterministic).
-  Skipped and failed points (out of memory, a hang) are tried again."""
+  Failed points (a compile or run failure, out of memory, a hang; `skipped` in older runs) are tried again."""
   return {k for r in records if r["status"] in ("ok", "error", "compiled") for k in point_keys(r)}
 
 
@@ -212,7 +217,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   except hlo_check.HloMismatch as e:
     return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
   except Exception as e:  # pylint: disable=broad-except
-    return {**rec, "status": "skipped", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
+    return {**rec, "status": "failed", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
              wire_dtype=point.wire_dtype, check_runs=point.check_runs)
   if cfg.target:
@@ -276,8 +281,9 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         with guard("profiled runs", (short.reps + long.reps) * (expected_op_s + delay)):
           rec["profile"] = profile_point(point, short, long, cfg.profile_dir, describe_point(rec))
   except Exception as e:  # pylint: disable=broad-except
-    # e.g. RESOURCE_EXHAUSTED: the point is lost, the sweep goes on.
-    return {**rec, "status": "skipped", "reason": f"{type(e).__name__}: {_first_line(e)}"}
+    # e.g. RESOURCE_EXHAUSTED: the point is lost; the sweep stops after recording it, or with --keep_going
+    # goes on (run_sweep decides).
+    return {**rec, "status": "failed", "reason": f"run failed: {type(e).__name__}: {_first_line(e)}"}
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
           "busbw_gbps": algbw * coll.busbw_factor(n)}
@@ -422,7 +428,7 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
       if rec["status"] == "ok":
         rec.update(link_peaks.share(rec["busbw_gbps"], peak))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-      if (rec["status"] == "skipped" and jax.process_count() > 1
+      if (rec["status"] == "failed" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):
         # The job can't go on. The point is recorded as failed (a resume measures it again), named, so the
         # outcome reads the same whether this process's watchdog or the lost peer ended the point first.
@@ -435,6 +441,8 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
       out.record(rec)
       records.append(rec)
       out.print(table.format_row(rec))
+      if rec["status"] == "failed" and not cfg.keep_going:
+        raise PointFailed(f"{describe_point(rec)} failed: {rec['reason']}")
   out.print(f"\n# {len(records)} point(s) in {time.perf_counter() - t_start:.1f} s")
   return records
 

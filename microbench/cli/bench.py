@@ -43,6 +43,9 @@ flags.DEFINE_integer("samples", 10, "Timed pairs of calls (short, long) per poin
                      " --iters=1: median, min, max over these.")
 flags.DEFINE_float("hang_timeout", 120.0, "Watchdog floor in seconds: a device step that runs longer than this"
                    " and 10x its expected time ends the job (a hung collective), recorded as failed.")
+flags.DEFINE_bool("keep_going", False, "A point whose program fails to compile or run is recorded and the sweep"
+                  " goes on to the other points (make -k); the run still exits 1 and lists each failed point."
+                  " Without it the sweep stops at the first failed point (exit 1), keeping every point before it.")
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
@@ -65,7 +68,7 @@ flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RA
                     " runs, like a collective that never returns.")
 
 SWEEP_FLAGS = ("collectives", "op", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
+               "warmup", "samples", "check", "keep_going", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -160,7 +163,8 @@ def config_from_flags() -> sweep.SweepConfig:
       sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks, fabric=FLAGS.fabric,
-      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile)
+      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile,
+      keep_going=FLAGS.keep_going)
 
 
 def main(argv: list[str]) -> int:

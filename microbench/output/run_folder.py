@@ -170,10 +170,10 @@ def read_meta(outdir: str) -> dict[str, Any] | None:
 class RunOutputs:
   """Writes a run folder: one JSON line, the CSV and TensorBoard points per finished point, as it finishes."""
 
-  def __init__(self, outdir: str, enabled: bool = True, stream: TextIO = sys.stdout):
+  def __init__(self, outdir: str, enabled: bool = True, stream: TextIO | None = None):
     self.outdir = outdir
     self.enabled = enabled
-    self.stream = stream
+    self.stream = stream  # None: whatever sys.stdout is when a line is printed
     self._results: TextIO | None = None
     self._tb: TensorBoardLog | None = None
     if enabled:
@@ -188,7 +188,7 @@ class RunOutputs:
 
   def print(self, text: str = "") -> None:
     if self.enabled:
-      print(text, file=self.stream, flush=True)
+      print(text, file=self.stream or sys.stdout, flush=True)
 
   def write_meta(self, meta: dict[str, Any]) -> None:
     if not self.enabled:

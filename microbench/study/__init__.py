@@ -1,4 +1,4 @@
-"""The multi-tenancy interference study (reference/methodology.md): how much a training job slows down when
+"""The multi-tenancy interference study (docs/study.md): how much a training job slows down when
 other jobs share the network, by strategy, size, placement and job mix.
 
 `workloads` (GPU rooflines, model shapes, strategies and job sizes), `schedules` (the five proxies' message

@@ -1,4 +1,4 @@
-"""Job mixes for the study (methodology section 2), as the seed artifact's generator makes them
+"""Job mixes for the study (docs/study.md, section 2), as the seed artifact's generator makes them
 (HicrestLaboratory/DLNetBenchSC26 7c640e3, DLNetBench/experiments_generator.py): the same size tables, pattern
 families, entropy and locality bins, random draws in the same order from the same seed, and the same cap, so a
 plan can be compared with the artifact's output experiment by experiment.

@@ -3,7 +3,7 @@
 q1 = GPUs per node, q2 = GPUs under one L1 switch, q3 = GPUs in one group (Dragonfly group, cell). A
 machine is an allocation of `nodes` nodes, by default filling L1 switches and groups in order; a node map
 (hostname, group, L1 per line) describes a real allocation's nodes instead. Presets hold the study's
-systems (methodology section 5) and the emulated cluster (`testbed`: racks are L1 switches).
+systems (docs/study.md, section 5) and the emulated cluster (`testbed`: racks are L1 switches).
 
 Placement classes and their locality scores are the study's; `feasible_classes` applies its rules (allowed
 classes per strategy, same-l1-N needs more than N nodes' worth of GPUs, caps at q2 and q3) plus what this

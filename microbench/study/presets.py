@@ -1,5 +1,5 @@
 """The study's five strategies as microbench-train requests: `--preset=study-dp|study-fsdp|study-dp-pp|
-study-dp-pp-tp|study-dp-pp-ep` (reference/methodology.md, section 1).
+study-dp-pp-tp|study-dp-pp-ep` (docs/study.md, section 1).
 
 A preset sets the model, sequence, degrees, microbatches, schedule and batch the study uses, scaled to the
 devices present, and says what it scaled:

@@ -1,5 +1,5 @@
 """Runs a plan: baselines (each job alone on its placement) and concurrent runs (every job of a mix at once),
-on a backend, keeping every record as it arrives and resuming an interrupted study (methodology section 3).
+on a backend, keeping every record as it arrives and resuming an interrupted study (docs/study.md, section 3).
 
 Baselines are run once per matching key (strategy, model, GPUs, placement class), on the nodes of the first
 job with that key, `baseline_repeats` times. A concurrent run starts every job of the mix; a job that ends

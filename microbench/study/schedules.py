@@ -1,5 +1,5 @@
 """What each rank of a proxy does in one iteration: emulated compute, and collectives started, waited for or
-blocking, over named communicators (the study's message schedules, methodology section 1).
+blocking, over named communicators (the study's message schedules, docs/study.md section 1).
 
 A schedule is data, so the bytes a proxy moves can be checked against the study's formulas without running
 it, the HLO-derived proxies (`hlo_schedule.py`) produce the same form, and the executor (`proxy.py`) runs

@@ -1,4 +1,4 @@
-"""The study's statistics (methodology section 4): the median's 95% confidence interval (Le Boudec), the
+"""The study's statistics (docs/study.md, section 4): the median's 95% confidence interval (Le Boudec), the
 congestion impact sigma = geomean(baseline) / median(concurrent) with its interval, the share of samples
 slower than 5%, and the communication share. Ratios are never averaged: sigma is a ratio of two location
 statistics of throughput samples, and its interval is formed from theirs.

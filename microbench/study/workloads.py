@@ -1,6 +1,6 @@
 """The study's workloads as data: GPU rooflines, model shapes, the five strategies and their job sizes.
 
-The multi-tenancy study (reference/methodology.md, section 1) stands a 2400-GPU training job in for with a
+The multi-tenancy study (docs/study.md, section 1) stands a 2400-GPU training job in for with a
 *proxy*: the real collectives of a strategy on zero buffers, with compute emulated from a roofline model of
 the model's forward pass. Everything a proxy needs that is not communication lives here, so the schedules
 (`schedules.py`), the job-mix generator (`generator.py`) and the report agree on one table.

@@ -9,10 +9,10 @@ Compiled programs give XLA:GPU's own optimised HLO (`as_text()`) and its memory 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Any
 
+from microbench.target import quiet_start
 from microbench.target.gpu_kinds import GpuKind, KindError, target
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]'"
@@ -24,7 +24,7 @@ class TargetError(RuntimeError):
 
 def plugin_available() -> bool:
   """Whether JAX's CUDA PJRT plugin is installed (it is what compiles for GPUs here)."""
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  return quiet_start.plugin_installed()
 
 
 def require_plugin() -> None:
