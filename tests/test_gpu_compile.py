@@ -21,7 +21,8 @@ from meshes.scopes import plan_scopes
 from meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program
 from microbench.fabric import peaks as link_peaks
-from microbench.target import compile_only, gpu_kinds
+from microbench.fabric import gpu_kinds
+from microbench.target import compile_only
 from microbench.train import peaks
 
 needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),

@@ -1,9 +1,11 @@
 """The folder tree is the architecture: each package imports only from the layers below it, with no cycles.
 
-Layers, bottom to top: `meshes` (topologies, meshes, scopes, strategies as rules); `models` (Flax models,
-on meshes only); `microbench.target` (GPU kinds as data, compile-only devices); `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on
-hosts); `microbench.fabric` (the machine's links as data, the models on them); `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the
-two measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
+Layers, bottom to top: `microbench.fabric` (what a machine is and what a collective costs: GPU kinds, links,
+rates, machine descriptions, collective cost formulas; JAX-free); `meshes` (topologies, meshes, scopes,
+strategies as rules); `models` (Flax models, on meshes only); `microbench.target` (compile-only devices);
+`microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on hosts);
+`microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the two
+measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
 commands) on top.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -19,11 +22,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("meshes", "models", "microbench")
 
 LAYER = {
-    "meshes": 0,
-    "models": 1,
-    "microbench.target": 2,  # GPU kinds as data, compile-only devices: what the machine is, below everything
-    "microbench.hlo": 3, "microbench.output": 3, "microbench.cluster": 3,
-    "microbench.fabric": 4,  # the machine's links as data and the models on them (peaks, predictions, flows)
+    "microbench.fabric": 0,  # what a machine is and what a collective costs, as data and formulas: JAX-free
+    "meshes": 1,
+    "models": 2,
+    "microbench.target": 3,  # compile-only devices of a GPU kind (the kinds themselves are fabric's)
+    "microbench.hlo": 4, "microbench.output": 4, "microbench.cluster": 4,
     "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
     "microbench.bench": 6, "microbench.train": 6,
     "microbench.study": 7,
@@ -100,6 +103,24 @@ def test_models_depend_only_on_meshes():
       assert all(d.split(".")[0] in ("models", "meshes") for d in deps), (m, deps)
 
 
+def test_fabric_is_jax_free():
+  """The machine's facts need no JAX (a scheduler prolog, a report on a laptop): fabric's modules import only
+  the standard library and each other, anywhere in the file."""
+  bad = []
+  for m, path in _modules().items():
+    if not m.startswith("microbench.fabric"):
+      continue
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+      for name in names:
+        top = name.split(".")[0]
+        if name.startswith("microbench.fabric") or top == "__future__" or top in sys.stdlib_module_names:
+          continue
+        bad.append(f"{m} imports {name}")
+  assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycles():
   graph = _graph()
   state: dict[str, int] = {}
@@ -161,3 +182,14 @@ def test_console_scripts_start_from_the_install():
       r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120, check=False)
       assert r.returncode in (0, 1) and "Traceback" not in r.stderr, (name, r.stderr[-500:])
       assert "--" in r.stdout, name  # absl lists the command's own flags
+
+
+def test_jax_free_check_catches_a_planted_import():
+  planted = os.path.join(ROOT, "microbench", "fabric", "_planted_jax.py")
+  with open(planted, "w", encoding="utf-8") as f:
+    f.write("def f():\n  import jax.numpy  # planted by tests/test_layout.py\n")
+  try:
+    with pytest.raises(AssertionError, match="_planted_jax imports jax.numpy"):
+      test_fabric_is_jax_free()
+  finally:
+    os.remove(planted)

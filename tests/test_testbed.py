@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
+from microbench.fabric import rates
 
 TESTBED = ["-m", "microbench.cli.testbed"]  # the microbench-testbed console script
 JOB = os.path.join(REPO, "tests", "_psum_job.py")
@@ -77,17 +78,17 @@ def busbw(text: str) -> float:
 
 # Pure functions: run everywhere.
 def test_parse_rate_and_delay():
-  assert tbm.parse_rate("200mbit") == 200_000_000
-  assert tbm.parse_rate("1.5gbit") == 1_500_000_000
-  assert tbm.parse_rate("25mbps") == 200_000_000  # tc: bps = bytes per second
-  assert tbm.parse_rate("") is None and tbm.parse_rate("0") is None
-  assert tbm.gbytes_per_s(200_000_000) == 0.025
-  assert tbm.parse_delay("1ms") == 1000 and tbm.parse_delay("250us") == 250 and tbm.parse_delay("") == 0
+  assert rates.parse_rate("200mbit") == 200_000_000
+  assert rates.parse_rate("1.5gbit") == 1_500_000_000
+  assert rates.parse_rate("25mbps") == 200_000_000  # tc: bps = bytes per second
+  assert rates.parse_rate("") is None and rates.parse_rate("0") is None
+  assert rates.gbytes_per_s(200_000_000) == 0.025
+  assert rates.parse_delay("1ms") == 1000 and rates.parse_delay("250us") == 250 and rates.parse_delay("") == 0
   for bad in ("fast", "200", "10mb"):
     with pytest.raises(ValueError):
-      tbm.parse_rate(bad)
+      rates.parse_rate(bad)
   with pytest.raises(ValueError):
-    tbm.parse_delay("soon")
+    rates.parse_delay("soon")
 
 
 def test_shape_commands():

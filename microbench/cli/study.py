@@ -210,7 +210,8 @@ def _proxy() -> int:
 
 def _target_devices(kind: str, gpus: int) -> list:
   """`gpus` compile-only devices of GPU kind `kind`, in hosts of the kind's usual node size."""
-  from microbench.target import compile_only, gpu_kinds  # pylint: disable=g-import-not-at-top
+  from microbench.fabric import gpu_kinds  # pylint: disable=g-import-not-at-top
+  from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
   try:
     per_host = min(gpus, gpu_kinds.target(kind).gpus_per_node)
     if gpus % per_host:

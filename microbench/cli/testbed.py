@@ -29,6 +29,7 @@ from absl import app, flags
 from microbench.cli import runner
 from microbench.cluster import launch, testbed_jobs
 from microbench.cluster import testbed as tbm
+from microbench.fabric import rates
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("hosts", None,
@@ -39,7 +40,7 @@ flags.DEFINE_string("host_rate", "", "Host link rate in tc units (200mbit, 1gbit
 flags.DEFINE_string("host_delay", "", "Host link one-way delay per link (500us, 1ms); needs sch_netem.")
 flags.DEFINE_string("uplink_rate", "", "Rack-to-core uplink rate (racks > 1); empty: unshaped.")
 flags.DEFINE_string("uplink_delay", "", "Rack-to-core uplink one-way delay; needs sch_netem.")
-flags.DEFINE_enum("queue", "fifo", tbm.QUEUES, "Each shaped link's queue: fifo (tbf's 50 ms drop-tail queue, "
+flags.DEFINE_enum("queue", "fifo", rates.QUEUES, "Each shaped link's queue: fifo (tbf's 50 ms drop-tail queue, "
                   "which TCP fills) or fair (a queue per host pair served in turn, as a switch port arbitrating "
                   "between flows; at most 64 hosts).")
 flags.DEFINE_integer("devices_per_process", 1, "CPU devices per process (JAX_NUM_CPU_DEVICES).", lower_bound=1)
@@ -65,9 +66,9 @@ def say(msg: str) -> None:
 
 def _shape_kwargs() -> dict:
   try:
-    return dict(host_rate=tbm.parse_rate(FLAGS.host_rate), host_delay_us=tbm.parse_delay(FLAGS.host_delay),
-                uplink_rate=tbm.parse_rate(FLAGS.uplink_rate),
-                uplink_delay_us=tbm.parse_delay(FLAGS.uplink_delay), queue=FLAGS.queue)
+    return dict(host_rate=rates.parse_rate(FLAGS.host_rate), host_delay_us=rates.parse_delay(FLAGS.host_delay),
+                uplink_rate=rates.parse_rate(FLAGS.uplink_rate),
+                uplink_delay_us=rates.parse_delay(FLAGS.uplink_delay), queue=FLAGS.queue)
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 

@@ -7,7 +7,8 @@ from typing import Any
 
 from meshes.mesh import build_mesh, ordered_devices
 from meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
-from microbench.target import compile_only, gpu_kinds
+from microbench.fabric import gpu_kinds
+from microbench.target import compile_only
 
 DEFAULT_CPU_DEVICES = 8
 

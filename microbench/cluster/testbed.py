@@ -32,6 +32,8 @@ import subprocess
 import sys
 import time
 
+from microbench.fabric.rates import QUEUES, gbytes_per_s
+
 NETNS_ETC = "/etc/netns"
 STATE_DIR = "/tmp"
 STATE_PATTERN = "microbench-testbed-*.json"
@@ -42,41 +44,6 @@ MAX_HOSTS = 1000
 
 class TestbedError(Exception):
   """A one-line, user-facing reason why the testbed could not be built, used or removed."""
-
-
-_RATE_UNITS = {  # tc's units: "bit" suffixes are bits/s, "bps" suffixes are bytes/s; k/m/g are powers of 1000.
-    "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-    "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9, "tbps": 8e12,
-}
-_DELAY_UNITS = {"us": 1, "usec": 1, "ms": 1e3, "msec": 1e3, "s": 1e6, "sec": 1e6}
-
-
-def parse_rate(text: str | None) -> int | None:
-  """'200mbit' -> 200_000_000 bits/s (tc units); '', '0', 'none' -> None (unshaped)."""
-  if text is None or text.strip().lower() in ("", "0", "none"):
-    return None
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
-  if not m or m.group(2).lower() not in _RATE_UNITS:
-    raise ValueError(f"bad rate {text!r}: use tc units, e.g. 200mbit, 10gbit, 25mbps (bytes/s)")
-  bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2).lower()])
-  if bits < 8000:
-    raise ValueError(f"rate {text!r} is below 8kbit")
-  return bits
-
-
-def parse_delay(text: str | None) -> int:
-  """'1ms' -> 1000 microseconds; '', '0' -> 0."""
-  if text is None or text.strip().lower() in ("", "0", "none"):
-    return 0
-  m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]+)\s*", text)
-  if not m or m.group(2).lower() not in _DELAY_UNITS:
-    raise ValueError(f"bad delay {text!r}: use e.g. 500us, 1ms, 0.1s")
-  return int(round(float(m.group(1)) * _DELAY_UNITS[m.group(2).lower()]))
-
-
-def gbytes_per_s(bits: int) -> float:
-  """The rate in decimal GB/s, the unit of busbw."""
-  return bits / 8 / 1e9
 
 
 def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> list[list[str]]:
@@ -99,7 +66,6 @@ def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> l
   return cmds
 
 
-QUEUES = ("fifo", "fair")
 # Fair queues take turns of at most 16 KB (1.3 ms at 100 Mbit/s), closer to a switch's per-packet arbitration:
 # with 64 KB turns (and 64 KB segmentation-offload packets) a pair waited 5 ms per turn behind a bulk pair, so a
 # transfer with ~128 KB in flight (a 1.6 MB all-reduce bucket) got a third of a shared uplink instead of half

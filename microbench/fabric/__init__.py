@@ -1,3 +1,7 @@
-"""The machine's fabric as data, and the models that run on it: link peaks per level (`peaks.py`), the
-fabric's description per system (`description.py`), collective times predicted on it (`collectives.py`)
-and flows sharing its links max-min fairly (`flows.py`). Below `report/` and `study/`, which both use it."""
+"""What a machine is and what a collective costs on it, as data and formulas; JAX-free, the lowest layer.
+
+GPU kinds with their sources (`gpu_kinds.py`, one file each in `gpu_specs/`), link rates as people write them
+(`rates.py`), link peaks per fabric level (`peaks.py`), the described systems (`description.py`), collective
+times predicted on a fabric (`collectives.py`), flows sharing its links max-min fairly (`flows.py`) and jobs
+placed on it (`jobs.py`). Every other layer takes these facts from here.
+"""

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from microbench.cluster import testbed as tb
 from microbench.fabric import peaks
+from microbench.fabric import rates
 
 BASE_US = 8.4  # NCCL's base latency (Simple protocol), collectives.md
 NVLINK_HOP_US = 3.7  # NCCL's NVLink hop, 3.4-4.0 us
@@ -208,17 +208,17 @@ def parse(spec: str) -> Fabric:
     if set(opts) - known:
       raise FabricError(f"testbed fabric options: {', '.join(sorted(known))}; got {', '.join(sorted(set(opts) - known))}")
     try:
-      host = tb.parse_rate(opts.get("host_rate", "400mbit"))
-      up = tb.parse_rate(opts.get("uplink_rate", "100mbit"))
+      host = rates.parse_rate(opts.get("host_rate", "400mbit"))
+      up = rates.parse_rate(opts.get("uplink_rate", "100mbit"))
       per_rack, racks = int(opts.get("hosts_per_rack", "2")), int(opts.get("racks", "4"))
     except ValueError as e:
       raise FabricError(f"testbed fabric: {e}") from None
     if per_rack < 1 or racks < 1:
       raise FabricError("testbed fabric: racks and hosts_per_rack must be >= 1")
     queue = opts.get("queue", "fifo")
-    if queue not in tb.QUEUES:
-      raise FabricError(f"testbed fabric: queue={queue!r}: choose one of {', '.join(tb.QUEUES)}")
-    return testbed(per_rack, host and tb.gbytes_per_s(host), up and tb.gbytes_per_s(up), racks, queue=queue)
+    if queue not in rates.QUEUES:
+      raise FabricError(f"testbed fabric: queue={queue!r}: choose one of {', '.join(rates.QUEUES)}")
+    return testbed(per_rack, host and rates.gbytes_per_s(host), up and rates.gbytes_per_s(up), racks, queue=queue)
   fab = system(name)
   keys = {"leaf_up": "leaf_up_gbps", "group_up": "group_up_gbps", "nic": "nic_gbps", "scale_up": "scale_up_gbps"}
   change = {}

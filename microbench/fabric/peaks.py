@@ -20,7 +20,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from microbench.target import gpu_kinds
+from microbench.fabric import gpu_kinds
 
 LEVELS = ("scale_up", "rack_scale", "scale_out")
 
@@ -45,7 +45,7 @@ LINKS: dict[str, tuple[float, str, str]] = {
                     "HPE Slingshot: 64-port 200 Gb/s Rosetta switches, 200G Cassini NICs (ALCF Aurora docs)"),
 }
 
-# NVLink per device kind comes from the GPU kinds table (microbench.target.gpu_kinds: exact CUDA names first,
+# NVLink per device kind comes from the GPU kinds table (microbench.fabric.gpu_kinds: exact CUDA names first,
 # then the kind's short name as a substring, longest first so "gh200" wins over "h200"). NICs are not visible
 # from the device kind, and an NVLink domain spanning nodes is only known from the kind (NVL72 racks) or to
 # the person who set --nodes_per_rack. PCIe and NVL (bridge) variants get no NVLink default.

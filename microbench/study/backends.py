@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from microbench.cluster import launch, testbed_jobs
 from microbench.cluster import testbed as tbm
 from microbench.study import machines as mm
+from microbench.fabric import rates
 
 BACKENDS = ("local", "testbed", "slurm")
 
@@ -109,8 +110,8 @@ class TestbedBackend(Backend):
     if problem:
       raise BackendError(problem)
     try:
-      bed = tbm.Testbed.new(hosts=m.nodes, racks=racks, host_rate=tbm.parse_rate(m.host_rate),
-                            uplink_rate=tbm.parse_rate(m.uplink_rate) if racks > 1 else None, queue=m.queue)
+      bed = tbm.Testbed.new(hosts=m.nodes, racks=racks, host_rate=rates.parse_rate(m.host_rate),
+                            uplink_rate=rates.parse_rate(m.uplink_rate) if racks > 1 else None, queue=m.queue)
     except ValueError as e:
       raise BackendError(str(e)) from None
     self.bed = bed

@@ -17,6 +17,7 @@ import dataclasses
 from microbench.cluster import testbed as tbm
 from microbench.fabric import description as fd
 from microbench.study import workloads as wl
+from microbench.fabric import rates
 
 CLASSES: dict[str, float] = {
     "intra-l1": 1.0,
@@ -52,7 +53,7 @@ class Machine:
   # The emulated cluster's links (testbed only).
   host_rate: str = ""
   uplink_rate: str = ""
-  queue: str = "fifo"  # each shaped link's queue (tbm.QUEUES): fifo, or fair (one per host pair)
+  queue: str = "fifo"  # each shaped link's queue (rates.QUEUES): fifo, or fair (one per host pair)
 
   @property
   def q1(self) -> int:
@@ -179,8 +180,8 @@ def parse(spec: str, node_map: str | None = None,
       raise MachineError(f"testbed racks={racks} must be a multiple of groups={groups}")
     kw["l1_per_group"] = racks // groups
     kw["nodes"] = racks * kw["nodes_per_l1"]
-    if kw.get("queue", "fifo") not in tbm.QUEUES:
-      raise MachineError(f"testbed queue={kw['queue']!r}: choose one of {', '.join(tbm.QUEUES)}")
+    if kw.get("queue", "fifo") not in rates.QUEUES:
+      raise MachineError(f"testbed queue={kw['queue']!r}: choose one of {', '.join(rates.QUEUES)}")
   elif {"racks", "hosts_per_rack", "groups", "queue"} & set(kw):
     raise MachineError("racks, hosts_per_rack, groups and queue describe the testbed machine only")
   missing = [k for k in ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes") if k not in kw]
@@ -224,8 +225,8 @@ def read_node_map(path: str) -> tuple[tuple[str, int, int], ...]:
 def fabric_of(machine: Machine) -> fd.Fabric:
   """The machine's links: its system's description reshaped to this machine, or the testbed's shaped links."""
   if machine.name == "testbed":
-    host, up = tbm.parse_rate(machine.host_rate), tbm.parse_rate(machine.uplink_rate)
-    return fd.testbed(machine.nodes_per_l1, host and tbm.gbytes_per_s(host), up and tbm.gbytes_per_s(up),
+    host, up = rates.parse_rate(machine.host_rate), rates.parse_rate(machine.uplink_rate)
+    return fd.testbed(machine.nodes_per_l1, host and rates.gbytes_per_s(host), up and rates.gbytes_per_s(up),
                       racks=machine.nodes // machine.nodes_per_l1, queue=machine.queue)
   if machine.name not in fd.SYSTEMS:
     raise MachineError(f"machine {machine.name!r} has no link description; predictions need one of"

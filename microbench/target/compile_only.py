@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from microbench.target import quiet_start
-from microbench.target.gpu_kinds import GpuKind, KindError, target
+from microbench.fabric.gpu_kinds import GpuKind, KindError, target
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]'"
 

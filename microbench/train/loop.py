@@ -22,7 +22,8 @@ import numpy as np
 from meshes import parallelism as par
 from microbench.cluster import environment, machine
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
-from microbench.target import compile_only, gpu_kinds
+from microbench.fabric import gpu_kinds
+from microbench.target import compile_only
 from microbench.train import comm_fingerprint, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from models import moe, pipeline, pipeline_schedule

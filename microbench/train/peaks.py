@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from microbench.target import gpu_kinds
+from microbench.fabric import gpu_kinds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The GPU kinds the toolkit knows, one data file each under `specs/` (facts with their sources).
+"""The GPU kinds the toolkit knows, one data file each under `gpu_specs/` (facts with their sources).
 
 A kind gives the device names CUDA reports for it (JAX's `device_kind`, matched exactly), its NVLink
 generation (the scale-up link peak; `rack_nvlink` where the NVLink domain spans a rack's nodes), its dense
@@ -15,7 +15,7 @@ import os
 import tomllib
 from typing import Any
 
-SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "specs")
+SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ _FIELDS = ("name", "title", "device_kinds", "gpus_per_node", "nodes_per_rack", "
 
 @functools.cache
 def kinds() -> dict[str, GpuKind]:
-  """Every kind in specs/, by name."""
+  """Every kind in gpu_specs/, by name."""
   out = {}
   for fname in sorted(os.listdir(SPECS)):
     if not fname.endswith(".toml"):
