@@ -47,7 +47,7 @@ _KEYS = ("racks", "nodes", "gpus")
 
 
 def parse_topology(text: str) -> Topology:
-  """Parses `racks:R,nodes:N,gpus:G` (any subset, missing ones are 1)."""
+  """Parses `racks:R,nodes:N,gpus:G` (racks and nodes default to 1; gpus must be given)."""
   values = {k: 1 for k in _KEYS}
   seen = set()
   for part in filter(None, (p.strip() for p in text.split(","))):
@@ -64,6 +64,9 @@ def parse_topology(text: str) -> Topology:
     values[key] = val
   if not seen:
     raise TopologyError(f"empty topology {text!r}: expected racks:R,nodes:N,gpus:G (e.g. nodes:2,gpus:4)")
+  if "gpus" not in seen:  # racks and nodes default to 1 naturally; a node of one GPU is rarely what was meant
+    raise TopologyError(f"topology {text!r} does not say how many GPUs a node has: add gpus:G (e.g."
+                        f" {text.strip().rstrip(',')},gpus:8; gpus:1 for one device per node)")
   return Topology(**values)
 
 

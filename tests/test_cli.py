@@ -109,6 +109,15 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--profile_points=0"], "points are numbered from 1"),
     (["--collectives=all_reduce", "--dtype=float8_e4m3fn"], "XLA:GPU hands no fp8 reduction to NCCL"),
     (["--collectives=reduce_scatter", "--op=avg", "--dtype=int32"], "XLA has no integer average"),
+    (["--topology=nodes:2"], "topology 'nodes:2' does not say how many GPUs a node has: add gpus:G"),
+    # Shapes the device kind cannot have, and flags that do nothing without a run (none needs the plugin).
+    (["--target=h100", "--topology=nodes:1,gpus:72"], "a NVIDIA H100 SXM5 80GB node has 8 GPUs, not 72"),
+    (["--target=gb200", "--topology=nodes:18,gpus:8"], "a NVIDIA GB200 (NVL72) tray has 4 GPUs, not 8"),
+    (["--target=gb200", "--topology=nodes:19,gpus:4"], "NVLink domain (rack) has 18 trays, not 19"),
+    (["--target=h100", "--distributed"], "--distributed does nothing with --target=h100"),
+    (["--target=h100", "--inject_crash=0:1", "--inject_delay=0:5"], "--inject_delay, --inject_crash do nothing"),
+    (["--target=h100", "--inject_hang=0:1"], "--inject_hang does nothing with --target"),
+    (["--target=h100", "--profile_points=1"], "--profile_points does nothing with --target"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
   # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.
@@ -117,6 +126,24 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
   lines = r.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("microbench: error: ") and message in lines[0], r.stderr
   assert "Traceback" not in r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("module,args,message", [
+    ("microbench.cli.train", ["--target=h100", "--steps=5"], "microbench-train: error: --steps does nothing with"
+                                                             " --target=h100"),
+    ("microbench.cli.train", ["--target=h100", "--profile_steps=2", "--distributed"],
+     "microbench-train: error: --distributed, --profile_steps do nothing with --target=h100"),
+    ("microbench.cli.study", ["schedule", "--target=h100", "--gpu=B200", "--proxy_from=gpt2-tiny,fsdp"],
+     "microbench-study: error: --gpu=B200 contradicts --target=h100"),
+])
+def test_contradictory_or_idle_flags_of_the_other_commands_are_one_line(module, args, message):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
+                     env=clean_env(), cwd=ROOT)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), r.stderr
 
 
 @pytest.mark.parametrize("module,args,message", [

@@ -11,7 +11,7 @@ def test_parse_topology():
   assert parse_topology("racks:2,nodes:3,gpus:4") == Topology(2, 3, 4)
   assert parse_topology("nodes:2,gpus:4") == Topology(1, 2, 4)
   assert parse_topology("gpus:8").num_devices == 8
-  for bad in ["", "nodes:0", "cpus:4", "nodes:2,nodes:3", "nodes=x"]:
+  for bad in ["", "nodes:0", "cpus:4", "nodes:2,nodes:3", "nodes=x", "nodes:2", "racks:2,nodes:4"]:
     with pytest.raises(TopologyError):
       parse_topology(bad)
 

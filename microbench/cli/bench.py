@@ -108,7 +108,12 @@ def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] 
     raise app.UsageError(f"--{flag}={text!r}: expected RANK:NUMBER, e.g. 1:50") from None
 
 
+# What only a run does (processes, fault injection, traces of timed calls): refused with --target.
+RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "inject_delay", "inject_crash", "inject_hang", "profile_points")
+
+
 def config_from_flags() -> sweep.SweepConfig:
+  cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)
   try:
     lo = sizes.parse_size(FLAGS.min_bytes)
     hi = None if FLAGS.max_bytes == "auto" else sizes.parse_size(FLAGS.max_bytes)

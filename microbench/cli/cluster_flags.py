@@ -6,7 +6,9 @@ Importing this module defines them; `settings()` turns them into microbench.clus
 
 from __future__ import annotations
 
-from absl import flags
+from collections.abc import Sequence
+
+from absl import app, flags
 
 from microbench.cluster.distributed import Settings
 
@@ -27,6 +29,22 @@ flags.DEFINE_integer("heartbeat_timeout", 10,
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for all processes to join.", lower_bound=1)
 flags.DEFINE_integer("collective_timeout", 45,
                      "Seconds a CPU (gloo) collective may wait for its peers before failing.", lower_bound=1)
+
+
+# Flags of a job of several processes: with --target no process runs, so none of them does anything.
+JOB_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id")
+
+
+def refuse_with_target(names: Sequence[str]) -> None:
+  """With --target nothing runs: a flag that only matters to a run, set to anything but its default, is
+  refused with one line rather than silently ignored."""
+  if not FLAGS.target:
+    return
+  given = [n for n in names if FLAGS[n].value != FLAGS[n].default]
+  if given:
+    raise app.UsageError(f"{', '.join('--' + n for n in given)} {'does' if len(given) == 1 else 'do'} nothing with"
+                         f" --target={FLAGS.target} (compile only: no process runs, nothing is timed); drop"
+                         f" {'it' if len(given) == 1 else 'them'}, or drop --target to run")
 
 
 def settings() -> Settings:

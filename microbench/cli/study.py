@@ -167,13 +167,20 @@ def _schedule(gpus: int, devices=None):
   try:
     if FLAGS.proxy_from:
       from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
-      full = hlo_schedule.derive(FLAGS.proxy_from, gpus, gpu=FLAGS.gpu, batch=FLAGS.batch, seq_len=FLAGS.seq_len,
+      full = hlo_schedule.derive(FLAGS.proxy_from, gpus, gpu=_roofline_gpu(), batch=FLAGS.batch, seq_len=FLAGS.seq_len,
                                  layers=FLAGS.layers, devices=devices)
     else:
       full = schedules.build(FLAGS.strategy, gpus, FLAGS.gpu, FLAGS.model)
   except (workloads.WorkloadError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   return full.scaled(FLAGS.bytes_scale, FLAGS.compute_scale), full
+
+
+def _roofline_gpu() -> str:
+  """The GPU whose roofline times the compute: --gpu, or with --target (and no --gpu) the target's kind."""
+  if FLAGS.target and not FLAGS["gpu"].present:
+    return FLAGS.target.strip().upper()
+  return FLAGS.gpu
 
 
 def _proxy() -> int:
@@ -232,6 +239,9 @@ def _schedule_report() -> int:
     if not FLAGS.proxy_from:
       raise app.UsageError("--target compiles the training step of --proxy_from=MODEL,STRATEGY for the GPU kind;"
                            " a hand-written proxy has nothing to compile")
+    if FLAGS["gpu"].present and FLAGS.gpu.strip().lower() != FLAGS.target.strip().lower():
+      raise app.UsageError(f"--gpu={FLAGS.gpu} contradicts --target={FLAGS.target}: the roofline times the"
+                           " target's own GPU; drop --gpu (or give the same kind)")
     devices = _target_devices(FLAGS.target, gpus)
   elif FLAGS.proxy_from:
     from meshes.topology import Topology  # pylint: disable=g-import-not-at-top

@@ -80,6 +80,9 @@ flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the 
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G. Default: from the processes'"
                     " hosts.", **_M)
 
+# What only a run does (processes, timed and traced steps): refused with --target, which compiles only.
+RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "steps", "warmup_steps", "profile_steps")
+
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
@@ -99,6 +102,7 @@ def main(argv: list[str]) -> None:
       context_impl=FLAGS.context_impl, measure_overheads=FLAGS.measure_overheads, preset=FLAGS.preset,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
       nodes_per_rack=FLAGS.nodes_per_rack, target=FLAGS.target)
+  cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)
   try:
     if FLAGS.preset is None:
       train.check_request(cfg)  # before any device is touched

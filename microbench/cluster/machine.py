@@ -86,8 +86,23 @@ def resolve_target(kind: str, topology: Topology | None, nodes_per_rack: int | N
     raise TopologyError(f"--nodes_per_rack={nodes_per_rack} must divide the {topology.total_nodes} nodes")
   if nodes_per_rack:
     topology = Topology(racks=topology.total_nodes // nodes_per_rack, nodes=nodes_per_rack, gpus=topology.gpus)
+  check_kind_shape(spec, topology)
   target = compile_only.make_target(kind, topology.total_nodes, topology.gpus)
   return topology, target, build_mesh(topology, list(target.devices)), note
+
+
+def check_kind_shape(kind: gpu_kinds.GpuKind, topology: Topology) -> None:
+  """A topology the kind cannot have is refused (TopologyError): more GPUs in a node than its node (or tray)
+  holds, or, for a kind whose NVLink domain is a rack (NVL72), more trays in a rack than the domain has. Fewer
+  is allowed: a job may use part of a node."""
+  unit = "tray" if kind.rack_nvlink else "node"
+  if topology.gpus > kind.gpus_per_node:
+    raise TopologyError(f"--topology {topology}: a {kind.title} {unit} has {kind.gpus_per_node} GPUs, not"
+                        f" {topology.gpus}; use gpus:{kind.gpus_per_node} or fewer (more {unit}s for more GPUs)")
+  if kind.rack_nvlink and topology.nodes > kind.nodes_per_rack:
+    raise TopologyError(f"--topology {topology}: a {kind.title} NVLink domain (rack) has {kind.nodes_per_rack}"
+                        f" trays, not {topology.nodes}; use nodes:{kind.nodes_per_rack} or fewer per rack"
+                        " (more racks for more trays)")
 
 
 def describe(mesh, hosts: list[str]) -> dict[str, Any]:
