@@ -91,6 +91,45 @@ def netns_problem() -> str | None:
                                       == 0 else "`ip netns` does not work here")
 
 
+# ------------------------------------------------------------------------------------------- test groups
+# README's `python -m pytest -q tests` runs the fast suite: every layer, in minutes on two cores. The rest is
+# behind markers (pyproject.toml deselects them by default; `.ci/run` runs them all):
+#   cluster      needs root and Debian's slurm-wlm / munge / Open MPI: the emulated cluster, SLURM, mpirun.
+#                Derived from the test's own skip condition, so a new test of that kind is marked by itself.
+#   gpu_compile  needs the gpu-compile extra (XLA:GPU through JAX's CUDA plugin); always slow too.
+#   slow         end-to-end runs, multi-process launches, exhaustive property tests, GPU-target compiles:
+#                the node ids below (a file, a test, or a test's parameter prefix), chosen from --durations.
+SLOW = (
+)
+_CLUSTER_REASONS = ("emulated cluster", "testbed cannot run", "SLURM", "mpirun", "needs root")
+_PLUGIN_REASONS = ("CUDA PJRT plugin",)
+
+
+def _skip_reasons(item) -> str:
+  return " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    reasons = _skip_reasons(item)
+    if any(r in reasons for r in _CLUSTER_REASONS):
+      item.add_marker(pytest.mark.cluster)
+    if any(r in reasons for r in _PLUGIN_REASONS) or "gpu_mesh" in getattr(item, "fixturenames", ()):
+      item.add_marker(pytest.mark.gpu_compile)
+      item.add_marker(pytest.mark.slow)
+    if item.nodeid.startswith(SLOW):
+      item.add_marker(pytest.mark.slow)
+
+
+def pytest_report_header(config):
+  expr = config.getoption("markexpr")
+  if expr == "not slow and not cluster":
+    return ("fast suite: tests marked slow or cluster are deselected; -m 'slow or cluster' runs them,"
+            " -m '' runs everything")
+  return None
+
+
 def pytest_addoption(parser):
   parser.addoption("--update-golden", action="store_true", default=False,
                    help="rewrite tests/golden/*.json from this run instead of comparing with them")

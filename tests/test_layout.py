@@ -193,3 +193,38 @@ def test_jax_free_check_catches_a_planted_import():
       test_fabric_is_jax_free()
   finally:
     os.remove(planted)
+
+
+def _quickstart_commands() -> list[str]:
+  """The shell lines of README's Quickstart code block(s)."""
+  text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+  section = text.split("\n## Quickstart", 1)[1].split("\n## ", 1)[0]
+  blocks = section.split("```")[1::2]
+  return [line.strip() for b in blocks for line in b.splitlines()[1:] if line.strip() and not line.startswith("#")]
+
+
+def test_ci_runs_readmes_quickstart_literally():
+  """CI runs the Quickstart exactly as a new user types it (fresh venv, README's extras), before any other
+  extra is installed: a README command that fails on a fresh machine fails CI."""
+  ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
+  commands = _quickstart_commands()
+  assert commands and "python -m pytest -q tests" in commands
+  positions = [ci.index(c) for c in commands]  # each a line of its own, verbatim
+  assert positions == sorted(positions)
+  first_other_install = min(i for i, line in enumerate(ci) if "pip install" in line and line not in commands)
+  assert max(positions) < first_other_install
+
+
+def test_no_file_refers_outside_the_project():
+  """Users get the repository, nothing beside it: no text names a reference file they cannot read."""
+  bad = []
+  out = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT).stdout.split()
+  for rel in out:
+    if rel.endswith((".png", ".json")) or rel == "tests/test_layout.py":
+      continue
+    text = open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace").read()
+    for needle in ("../shared", "reference/methodology", "reference/collectives", "reference/hardware",
+                   "reference/gpu-aot", "reference/tpu-aot", "reference/jax-notes", "reference/style"):
+      if needle in text:
+        bad.append(f"{rel}: {needle}")
+  assert not bad, "\n".join(bad)
