@@ -228,3 +228,15 @@ def test_no_file_refers_outside_the_project():
       if needle in text:
         bad.append(f"{rel}: {needle}")
   assert not bad, "\n".join(bad)
+
+
+def test_every_slow_entry_names_a_test():
+  """A renamed test must not silently leave the slow group (and land in README's fast suite)."""
+  from conftest import SLOW  # pylint: disable=g-import-not-at-top
+  names = set()
+  for f in os.listdir(os.path.join(ROOT, "tests")):
+    if f.startswith("test_") and f.endswith(".py"):
+      for node in ast.parse(open(os.path.join(ROOT, "tests", f), encoding="utf-8").read()).body:
+        if isinstance(node, ast.FunctionDef):
+          names.add(f"tests/{f}::{node.name}")
+  assert set(SLOW) <= names, sorted(set(SLOW) - names)
