@@ -54,6 +54,7 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
     bound = link_peaks.bus_peak(rec["collective"], axes, {"rack": 1, "node": 2, "gpu": 4}, peaks)
     assert rec["peak_gbps"] == pytest.approx(bound)
     assert rec["busbw_pct_of_peak"] == pytest.approx(100 * rec["busbw_gbps"] / bound)
+    assert rec["peak_algorithm"] == link_peaks.ALGORITHMS[rec["collective"]]  # what the bound assumes
   # The same records as CSV, and an alpha-beta fit per series.
   import csv
   with open(out / "results.csv", newline="") as f:

@@ -444,8 +444,9 @@ def test_hierarchical_peaks_are_flat_fabric_equivalents():
   shape = {"rack": 2, "node": 2, "gpu": 1}
   assert link_peaks.bus_peak("all_reduce", ("rack", "node"), shape, H100_NDR) == pytest.approx(50)
   nvl = link_peaks.resolve("NVIDIA GB200", link_peaks.parse("rack_scale:nvlink5,scale_out:xdr"))
-  assert link_peaks.bus_peak("all_reduce", ("node", "gpu"), {"rack": 2, "node": 18, "gpu": 4}, nvl) == pytest.approx(
-      (71 / 72) / max(3 / (4 * 900), 17 / (18 * 4 * 900)))
+  # Trays and GPUs of an NVL72 are one NVLink domain: the same links, one level (not two that overlap).
+  nvl72 = {"rack": 2, "node": 18, "gpu": 4}
+  assert link_peaks.bus_peak("all_reduce", ("node", "gpu"), nvl72, nvl) == pytest.approx(900)
 
 
 def test_no_peak_without_every_crossed_level():

@@ -403,7 +403,8 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   platform = program.platform_of(mesh)
   for bi, ((cname, plan, dtype), counts) in enumerate(zip(blocks, plan_counts)):
     coll = collectives.get(cname)
-    peak = link_peaks.bus_peak(cname, plan.axes, extents, peaks)
+    family = type(coll).name  # all_reduce for all_reduce_max too: the links bound any operator alike
+    peak = link_peaks.bus_peak(family, plan.axes, extents, peaks)
     out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
               f"{plan.group_size}, {coll.impl(platform)}, busbw factor {coll.busbw_factor(plan.group_size):.4g}"
               + (f", link peak {peak:.4g} GB/s busbw" if peak else ""))
@@ -426,7 +427,7 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
       rec = run_point(cfg, mesh, plan, coll, dtype, reqs[0], barrier, watchdog, expected, index, total,
                       tuple(reqs[1:]))
       if rec["status"] == "ok":
-        rec.update(link_peaks.share(rec["busbw_gbps"], peak))
+        rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       if (rec["status"] == "failed" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):

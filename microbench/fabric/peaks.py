@@ -6,12 +6,29 @@ rack: an NVLink domain such as NVL72, else the same NICs as scale_out) and `scal
 one NIC per GPU). The peaks come from the device kind (NVLink generation) or from
 `--link_peaks=scale_up:450,scale_out:ndr`; a level without one has no peak, and no share is claimed.
 
-A scope whose groups cross several levels (rack_scale, global) gets the busbw its links allow when every
-level runs at its peak and the levels overlap (an upper bound): for ring-style collectives level i costs
-(D_i - 1) / (D_i * P_i * W_i) per byte, where D_i is the group's extent at that level, P_i the number of
-group ranks inside one unit of the level below (each with its own link) and W_i the link peak; the bound
-is (n - 1) / n over the largest cost. This is why busbw over a hierarchy can exceed the slowest link: it
-is a flat-fabric equivalent (see README, "How close to the hardware").
+Levels are physical links, not mesh axes. A GPU has its NVLink ports and its NIC, nothing else: inside an
+NVLink domain that spans the rack (`rack_scale` given as an NVLink, as the GB200/GB300 NVL72 kinds and the
+`nvl72` fabric do), a GPU reaches the GPUs of its own tray and of the other trays through the same 18 links
+into the same switch trays, so the node and gpu axes are ONE level at that link's rate (the whole rack is a
+flat fabric of 72 GPUs), never two levels that overlap; axes over the same NICs (nodes and racks without an
+NVLink rack_scale) are one level likewise. Only distinct links (NVLink and NIC) overlap.
+
+A scope whose groups cross several levels (rack_scale without NVL72, global) gets the busbw its links allow
+when every level runs at its peak and the levels overlap (an upper bound): for ring-style collectives level i
+costs (D_i - 1) / (D_i * P_i * W_i) per byte, where D_i is the group's extent at that level, P_i the number
+of group ranks inside one unit of the level below (each with its own link) and W_i the link peak; the bound
+is (n - 1) / n over the largest cost. This is why busbw over a hierarchy can exceed the slowest link: it is a
+flat-fabric equivalent (see README, "How close to the hardware"); it never exceeds the sum of the distinct
+links a GPU has (NVLink + NIC), and within one link (one NVLink domain, one NIC rail) never that link's rate.
+
+Each peak assumes an algorithm (`ALGORITHMS`, and `peak_algorithm` in a record): ring or hierarchical ring
+for all-reduce, all-gather and reduce-scatter, direct copies (each rank's shard straight to each peer) for
+all-to-all, a pipelined chain for broadcast, one copy per rank for ppermute; all without in-network
+reduction. An all-reduce through NVLink SHARP (NVLS, NVSwitch reduces in the switch: each GPU sends and
+receives S once) or InfiniBand SHARP can legitimately exceed its bound in busbw, by up to 2(n-1)/n. For the
+other collectives in-network reduction does not help: every rank still receives (all-gather, all-to-all,
+broadcast) or sends (reduce-scatter) its share of the data over its own links, so no algorithm takes their
+busbw past the rate of the links a GPU has (tests/test_gpu_facts.py checks every bound against that).
 """
 
 from __future__ import annotations
@@ -26,12 +43,13 @@ LEVELS = ("scale_up", "rack_scale", "scale_out")
 
 # name -> (GB/s per direction per rank, what it is, where the figure comes from)
 LINKS: dict[str, tuple[float, str, str]] = {
-    "nvlink3": (300.0, "NVLink 3 (A100 SXM): 12 links, 600 GB/s bidirectional per GPU",
+    "nvlink3": (300.0, "NVLink 3 (A100 SXM): 12 links x 25 GB/s per direction, 600 GB/s bidirectional per GPU",
                 "NVIDIA NVLink page (A100: twelve third-generation links, 600 GB/s total)"),
-    "nvlink4": (450.0, "NVLink 4 (H100/H200/GH200): 18 links, 900 GB/s bidirectional per GPU",
+    "nvlink4": (450.0, "NVLink 4 (H100/H200/GH200): 18 links x 25 GB/s per direction, 900 GB/s bidirectional per GPU",
                 "NVIDIA Hopper architecture page (900 GB/s bidirectional per GPU)"),
-    "nvlink5": (900.0, "NVLink 5 (B200/GB200/B300/GB300): 18 links x 100 GB/s, 1.8 TB/s bidirectional per GPU",
-                "NVIDIA NVLink page (Blackwell: 18 links of 100 GB/s, 1.8 TB/s total)"),
+    "nvlink5": (900.0, "NVLink 5 (B200/GB200/B300/GB300): 18 links x 50 GB/s per direction, 1.8 TB/s bidirectional"
+                " per GPU",
+                "NVIDIA NVLink page (Blackwell: 18 links of 100 GB/s both ways, 1.8 TB/s total)"),
     "edr": (12.5, "InfiniBand EDR, 100 Gb/s per port", "InfiniBand data rates (EDR 4x 25 Gb/s lanes)"),
     "hdr100": (12.5, "InfiniBand HDR100, 100 Gb/s per port (Leonardo: one per GPU)",
                "Leonardo's booster nodes: 2 dual-port HDR100 cards for 4 GPUs (unverified)"),
@@ -43,6 +61,24 @@ LINKS: dict[str, tuple[float, str, str]] = {
              "AMD CDNA2 white paper: 50-100 GB/s per direction between GCDs (unverified; the slowest pair)"),
     "slingshot11": (25.0, "HPE Slingshot-11, 200 Gb/s per NIC (Cassini)",
                     "HPE Slingshot: 64-port 200 Gb/s Rosetta switches, 200G Cassini NICs (ALCF Aurora docs)"),
+}
+
+# Links a rack_scale figure can name that are NICs: a rack whose nodes talk over a network of their own rate.
+# Any other rack_scale figure (an NVLink name, or a number) is an NVLink domain spanning the rack, reached over
+# the same per-GPU links as scale_up (README: "rack_scale ... an NVLink domain such as NVL72").
+NIC_LINKS = ("edr", "hdr100", "hdr", "ndr200", "ndr", "xdr", "slingshot11")
+
+# The algorithm each bus_peak assumes, per collective (a record's `peak_algorithm`).
+ALGORITHMS: dict[str, str] = {
+    "all_reduce": "ring (hierarchical ring across levels), no in-network reduction; an NVLS/SHARP all-reduce"
+                  " (the switch reduces) can exceed this bound, by up to 2(n-1)/n",
+    "all_gather": "ring (hierarchical ring across levels); in-network reduction does not raise it: every rank"
+                  " must receive (n-1)/n of the data over its own links",
+    "reduce_scatter": "ring (hierarchical ring across levels); in-network reduction does not raise it: every rank"
+                      " must send (n-1)/n of the data over its own links",
+    "all_to_all": "direct copies: each rank's shard straight to each peer, every level's share at its link",
+    "broadcast": "pipelined chain: each unit's ranks bring the data in over their own links",
+    "ppermute": "one direct copy per rank to its neighbour, on the rank's own link",
 }
 
 # NVLink per device kind comes from the GPU kinds table (microbench.fabric.gpu_kinds: exact CUDA names first,
@@ -127,10 +163,20 @@ def describe(peaks: Mapping[str, LevelPeak]) -> dict[str, dict[str, object] | No
   return out
 
 
+def nvlink_rack(peaks: Mapping[str, LevelPeak]) -> bool:
+  """Whether rack_scale is an NVLink domain spanning the rack: then a GPU reaches every GPU of the rack,
+  in its tray or another, over the same links into the same switches, so gpus and nodes are one level."""
+  p = peaks.get("rack_scale")
+  return p is not None and p.link not in NIC_LINKS
+
+
 def _levels(axes: Sequence[str], extents: Mapping[str, int],
             peaks: Mapping[str, LevelPeak]) -> list[tuple[int, float | None]]:
-  """(extent, GB/s) per physical link the scope's groups cross, inner to outer; axes over the same link
-  (nodes and racks over the same NICs) are one level."""
+  """(extent, GB/s) per physical link the scope's groups cross, inner to outer: axes over the same link are
+  one level (nodes and racks over the same NICs; gpus and nodes inside one rack-wide NVLink domain, at the
+  slower of the two figures given for those links)."""
+  one_domain = nvlink_rack(peaks)
+  domain = min(peaks[lv].gbps for lv in ("scale_up", "rack_scale") if lv in peaks) if one_domain else None
   levels: list[tuple[str, int, float | None]] = []
   for axis in AXIS_ORDER:
     d = int(extents.get(axis, 1))
@@ -139,7 +185,10 @@ def _levels(axes: Sequence[str], extents: Mapping[str, int],
     level = AXIS_LEVEL[axis]
     if level == "rack_scale" and level not in peaks:
       level = "scale_out"  # no NVLink domain across nodes was given: the nodes of a rack talk over NICs
-    w = peaks[level].gbps if level in peaks else None
+    if one_domain and level in ("scale_up", "rack_scale"):
+      level, w = "nvlink_domain", domain
+    else:
+      w = peaks[level].gbps if level in peaks else None
     if levels and levels[-1][0] == level:
       levels[-1] = (level, levels[-1][1] * d, w)
     else:
@@ -150,7 +199,8 @@ def _levels(axes: Sequence[str], extents: Mapping[str, int],
 def bus_peak(collective: str, axes: Sequence[str], extents: Mapping[str, int],
              peaks: Mapping[str, LevelPeak]) -> float | None:
   """The highest busbw (GB/s) the links allow `collective` over groups spanning `axes` of a mesh with
-  `extents` per axis, or None when a crossed level has no peak (or the collective has no model here)."""
+  `extents` per axis, or None when a crossed level has no peak (or the collective has no model here). The
+  algorithm it assumes is ALGORITHMS[collective] (no in-network reduction: see the module docstring)."""
   levels = _levels(axes, extents, peaks)
   if not levels or any(w is None for _, w in levels):
     return None
@@ -168,8 +218,10 @@ def bus_peak(collective: str, axes: Sequence[str], extents: Mapping[str, int],
   return None
 
 
-def share(busbw_gbps: float, peak_gbps: float | None) -> dict[str, float | None]:
-  """The record fields: the peak and busbw as a percentage of it (null without a peak)."""
+def share(busbw_gbps: float, peak_gbps: float | None, collective: str | None = None) -> dict[str, object]:
+  """The record fields: the peak and busbw as a percentage of it (null without a peak), and, given the
+  collective, `peak_algorithm`: the algorithm the peak assumes (ALGORITHMS)."""
+  algo = {} if collective is None else {"peak_algorithm": ALGORITHMS.get(collective)}
   if peak_gbps is None or not peak_gbps > 0:
-    return {"peak_gbps": None, "busbw_pct_of_peak": None}
-  return {"peak_gbps": peak_gbps, "busbw_pct_of_peak": 100.0 * busbw_gbps / peak_gbps}
+    return {"peak_gbps": None, "busbw_pct_of_peak": None, **algo}
+  return {"peak_gbps": peak_gbps, "busbw_pct_of_peak": 100.0 * busbw_gbps / peak_gbps, **algo}

@@ -22,7 +22,8 @@ RESULTS_CSV = "results.csv"
 META = "meta.json"
 # Columns a reader looks for first; every other field follows in name order.
 CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count", "group_size", "num_groups",
-            "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "wrong", "status", "reason")
+            "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "peak_algorithm", "wrong", "status",
+            "reason")
 
 
 def _size_name(nbytes: int) -> str:

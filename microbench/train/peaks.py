@@ -48,8 +48,9 @@ class PeakEntry:
 
 
 # Dense figures (half the datasheets' "with sparsity" ones), one entry per kind of the GPU kinds table
-# (microbench/target/specs/*.toml, each file naming its source). Device names: what CUDA reports
-# (cudaDeviceProp.name), which is JAX's device_kind on NVIDIA GPUs.
+# (microbench/fabric/gpu_specs/*.toml: each figure with its source, the peaks' in `peak_cite`, quoted in every
+# Peak's source). Device names: what CUDA reports (cudaDeviceProp.name), which is JAX's device_kind on NVIDIA
+# GPUs; an MI250X GCD's is the ROCm marketing name.
 PEAK_TABLE: tuple[PeakEntry, ...] = tuple(
     PeakEntry(k.device_kinds, k.title, k.bf16_tflops, k.tf32_tflops, k.peak_cite)
     for k in gpu_kinds.kinds().values())
