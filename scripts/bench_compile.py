@@ -1,7 +1,7 @@
 """Compile time against depth (not a test): the step of GPT-2 124M (or any model) compiled at a shallow and a
 deep layer count, with the layers scanned and unrolled, alternating, several rounds; medians reported.
 
-Target (issue 9): scanned layers compile in at most 1.5x the time at 24 layers as at 2. Each compile is
+Target: scanned layers compile in at most 1.5x the time at 24 layers as at 2. Each compile is
 `microbench-train --compile_only` in-process (the same path, XLA's default optimisation level); a new
 Trainer per compile, so nothing is reused between rounds; one throwaway compile first takes the process's
 one-time start-up costs.

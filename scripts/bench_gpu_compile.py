@@ -1,4 +1,4 @@
-"""What the GPU clusters would run, compiled here without a GPU (issue 17's figures; not a test).
+"""What the GPU clusters would run, compiled here without a GPU (figures for docs/measured-figures.md; not a test).
 
 Parts (`--parts=70b,presets,scale`), each compiled with XLA:GPU for compile-only devices (`--target`):
 - `70b`: Llama-3 70B (80 layers, seq 4096, bf16, one sample per data shard) on H200 at fsdp 8/16/32/64 and

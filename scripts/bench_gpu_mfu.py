@@ -1,4 +1,4 @@
-"""Training MFU on one accelerator (not a test): the issue-9 GPU target, ready for a device session.
+"""Training MFU on one accelerator (not a test): the GPU target (>= 45% MFU), ready for a device session.
 
 Target: >= 45% MFU (causal attention counted half, the headline convention) in bfloat16 for GPT-2 1.3B or
 Llama-3 8B at reduced depth on one H200 (MaxText reaches about 51% on Llama-3.1 70B). Each configuration runs

@@ -1,4 +1,4 @@
-"""Benchmark of the timing method itself (not a test). Prints figures for BUILD_NOTES.md.
+"""Benchmark of the timing method itself (not a test). Prints the figures of docs/measured-figures.md.
 
 (a) small-message all-reduce: the toolkit's per-operation time (difference of two repetition counts, in-graph)
     vs naive one-call-per-measurement host timing; floors (min) and medians.

@@ -1,4 +1,4 @@
-"""GPCNeT's congestors and congestion impact factor (issue 19 §5): the factor on hand-checked numbers (and
+"""GPCNeT's congestors and congestion impact factor: the factor on hand-checked numbers (and
 broken factors that must fail), the congestors' flows on a described testbed, the predicted factor where
 congestors share the canary's uplink and where they share nothing, the proxies running the congestor
 programs, and one short experiment on the emulated cluster."""

@@ -119,7 +119,7 @@ def test_the_fit_does_not_let_many_small_sizes_outvote_the_largest():
   assert fit.poor() and "worst point off" in fit.poor()
 
 
-# Measured on the emulated cluster (2026-12-01, fair queues, 400 Mbit/s hosts, 200 Mbit/s uplinks; BUILD_NOTES):
+# Measured on the emulated cluster (2026-12-01, fair queues, 400 Mbit/s hosts, 200 Mbit/s uplinks; docs/measured-figures.md):
 # all-reduce over 2 hosts of one rack and over 2 racks, 1K-16M in steps of 4, time per operation in us.
 TESTBED_SIZES = [1024 * 4**k for k in range(8)]
 TESTBED_2HOSTS_US = [503, 1021, 965, 2169, 6523, 21471, 83776, 353325]

@@ -1,4 +1,4 @@
-"""The study as the seed artifact runs it (issue 20 §1-§2): the README's plan commands give the artifact's
+"""The study as the seed artifact runs it: the README's plan commands give the artifact's
 experiments one by one (golden file: its generator's output at its commit), the JobPlacer port's packing and
 fallbacks, size tables and models, and plans made inside a SLURM allocation from its topology."""
 

@@ -1,4 +1,4 @@
-"""The study's sbatch script plans inside its allocation (issue 20 §1): on a real SLURM over the emulated
+"""The study's sbatch script plans inside its allocation: on a real SLURM over the emulated
 cluster (microbench.cluster.slurm_testbed, as tests/test_slurm.py), with no plan given, the script reads the
 allocation's hosts and `scontrol show topology`, plans on them, and every job instance runs on the hosts its
 plan names, whose rack map gives the class recorded. Skips where SLURM or network namespaces are missing."""

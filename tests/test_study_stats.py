@@ -92,7 +92,7 @@ def test_slowdowns_and_comm_share():
 
 
 def test_bootstrap_interval_holds_sigma_where_the_studys_does_not():
-  """Issue 20's case: 17 baseline samples of 1.0 and 3 of 100 against a concurrent median of 1: sigma is the
+  """The artifact's case: 17 baseline samples of 1.0 and 3 of 100 against a concurrent median of 1: sigma is the
   baseline geomean, 100^(3/20) = 1.995; the study's interval pairs the baseline median's CI ([1, 1]) with it and
   misses it; the bootstrap of the same statistic holds it."""
   base, conc = [1.0] * 17 + [100.0] * 3, [1.0] * 20

@@ -37,7 +37,7 @@ def _fsdp_over_dp_temp(rules: par.LogicalRules = par.RULES) -> float:
 
 
 def test_fsdp_shards_the_working_memory():
-  assert _fsdp_over_dp_temp() >= 2.0  # measured 3.9x (BUILD_NOTES)
+  assert _fsdp_over_dp_temp() >= 2.0  # measured 3.9x (docs/measured-figures.md)
   # Planted: FSDP that shards no weight dimension (every weight whole on every device, as DP).
   unsharded = tuple((n, None if n in ("embed", "conv_out") else a) for n, a in par.RULES)
   assert _fsdp_over_dp_temp(unsharded) < 1.2

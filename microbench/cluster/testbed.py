@@ -69,7 +69,7 @@ def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> l
 # Fair queues take turns of at most 16 KB (1.3 ms at 100 Mbit/s), closer to a switch's per-packet arbitration:
 # with 64 KB turns (and 64 KB segmentation-offload packets) a pair waited 5 ms per turn behind a bulk pair, so a
 # transfer with ~128 KB in flight (a 1.6 MB all-reduce bucket) got a third of a shared uplink instead of half
-# (BUILD_NOTES, sigma #7). The hosts' links send offload packets of at most this size (gso_max_size), since an
+# (docs/measured-figures.md, sigma #7). The hosts' links send offload packets of at most this size (gso_max_size), since an
 # HTB turn is at least one packet. Not one frame: 1514-byte packets cost the two lab cores enough that jobs
 # sharing no link slowed each other by 1.6-1.9x; 32 KB turns left sigma #7's DP at -23%.
 FAIR_TURN_BYTES = 16384
