@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 
@@ -44,13 +45,13 @@ def _unit(module: str) -> str:
   raise AssertionError(f"{module} is in no layer; add its package to tests/test_layout.py's LAYER")
 
 
-def _modules() -> dict[str, str]:
+def _modules(root: str = ROOT) -> dict[str, str]:
   out = {}
   for pkg in PACKAGES:
-    for dirpath, _, files in os.walk(os.path.join(ROOT, pkg)):
+    for dirpath, _, files in os.walk(os.path.join(root, pkg)):
       for f in files:
         if f.endswith(".py"):
-          rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+          rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].replace(os.sep, ".")
           out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
   return out
 
@@ -76,8 +77,8 @@ def _imports(path: str, module: str, known: set[str]) -> set[str]:
   return found
 
 
-def _graph() -> dict[str, set[str]]:
-  mods = _modules()
+def _graph(root: str = ROOT) -> dict[str, set[str]]:
+  mods = _modules(root)
   return {m: _imports(p, m, set(mods)) for m, p in mods.items()}
 
 
@@ -86,9 +87,9 @@ def test_every_module_is_in_a_layer():
     _unit(m)
 
 
-def test_no_module_imports_from_a_layer_above_or_a_sibling_concern():
+def test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root: str = ROOT):
   bad = []
-  for m, deps in _graph().items():
+  for m, deps in _graph(root).items():
     u = _unit(m)
     for d in deps:
       v = _unit(d)
@@ -103,11 +104,11 @@ def test_models_depend_only_on_meshes():
       assert all(d.split(".")[0] in ("models", "meshes") for d in deps), (m, deps)
 
 
-def test_fabric_is_jax_free():
+def test_fabric_is_jax_free(root: str = ROOT):
   """The machine's facts need no JAX (a scheduler prolog, a report on a laptop): fabric's modules import only
   the standard library and each other, anywhere in the file."""
   bad = []
-  for m, path in _modules().items():
+  for m, path in _modules(root).items():
     if not m.startswith("microbench.fabric"):
       continue
     for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
@@ -145,16 +146,21 @@ def test_no_import_cycles():
       visit(m)
 
 
-def test_checks_catch_a_planted_violation(tmp_path, monkeypatch):
+def _copy_of_the_tree(tmp_path) -> str:
+  """The packages' sources copied aside, so a planted file never shows in the tree other tests read at once."""
+  for pkg in PACKAGES:
+    shutil.copytree(os.path.join(ROOT, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.toml"))
+  return str(tmp_path)
+
+
+def test_checks_catch_a_planted_violation(tmp_path):
   """The layer check is proven by the bug it catches: a cluster module importing the CLI fails it."""
-  planted = os.path.join(ROOT, "microbench", "cluster", "_planted_violation.py")
-  with open(planted, "w", encoding="utf-8") as f:
+  root = _copy_of_the_tree(tmp_path)
+  test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root)  # the copy passes as the tree does
+  with open(os.path.join(root, "microbench", "cluster", "_planted_violation.py"), "w", encoding="utf-8") as f:
     f.write("from microbench.cli import runner  # planted by tests/test_layout.py\n")
-  try:
-    with pytest.raises(AssertionError, match="_planted_violation"):
-      test_no_module_imports_from_a_layer_above_or_a_sibling_concern()
-  finally:
-    os.remove(planted)
+  with pytest.raises(AssertionError, match="_planted_violation"):
+    test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root)
 
 
 def test_no_sys_path_hacks_outside_tests():
@@ -184,15 +190,13 @@ def test_console_scripts_start_from_the_install():
       assert "--" in r.stdout, name  # absl lists the command's own flags
 
 
-def test_jax_free_check_catches_a_planted_import():
-  planted = os.path.join(ROOT, "microbench", "fabric", "_planted_jax.py")
-  with open(planted, "w", encoding="utf-8") as f:
+def test_jax_free_check_catches_a_planted_import(tmp_path):
+  root = _copy_of_the_tree(tmp_path)
+  test_fabric_is_jax_free(root)
+  with open(os.path.join(root, "microbench", "fabric", "_planted_jax.py"), "w", encoding="utf-8") as f:
     f.write("def f():\n  import jax.numpy  # planted by tests/test_layout.py\n")
-  try:
-    with pytest.raises(AssertionError, match="_planted_jax imports jax.numpy"):
-      test_fabric_is_jax_free()
-  finally:
-    os.remove(planted)
+  with pytest.raises(AssertionError, match="_planted_jax imports jax.numpy"):
+    test_fabric_is_jax_free(root)
 
 
 def _quickstart_commands() -> list[str]:

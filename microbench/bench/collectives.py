@@ -22,6 +22,7 @@ from jax import lax
 
 from microbench.bench import reduce_ops
 from microbench.bench.known_inputs import FP8, GroupInputs, as_dtype
+from microbench.fabric import conventions
 
 REGISTRY: dict[str, "Collective"] = {}
 
@@ -57,9 +58,9 @@ class Collective(abc.ABC):
     """Per-rank element count (of the S buffer) must be a multiple of this."""
     return 1
 
-  @abc.abstractmethod
   def busbw_factor(self, n: int) -> float:
-    """algbw -> busbw factor for a group of n (see README: Metrics)."""
+    """algbw -> busbw factor for a group of n: nccl-tests' convention for the family (fabric.conventions)."""
+    return conventions.busbw_factor(type(self).name, n)
 
   def in_count(self, count: int, n: int) -> int:
     """Per-rank input elements, given the S buffer's element count."""
@@ -159,9 +160,6 @@ class Reduction(Collective):
 class AllReduce(Reduction):
   name, hlo_op = "all_reduce", "all-reduce"
 
-  def busbw_factor(self, n):
-    return 2 * (n - 1) / n
-
   def op(self, x, axes, n, platform):
     return reduce_ops.all_reduce(x, axes, self.redop)
 
@@ -191,9 +189,6 @@ class AllGather(Collective):
 
   def count_multiple(self, n):
     return n
-
-  def busbw_factor(self, n):
-    return (n - 1) / n
 
   def in_count(self, count, n):
     return count // n
@@ -227,9 +222,6 @@ class ReduceScatter(Reduction):
 
   def count_multiple(self, n):
     return n
-
-  def busbw_factor(self, n):
-    return (n - 1) / n
 
   def out_count(self, count, n):
     return count // n
@@ -274,9 +266,6 @@ class AllToAll(Collective):
   def count_multiple(self, n):
     return n
 
-  def busbw_factor(self, n):
-    return (n - 1) / n
-
   def op(self, x, axes, n, platform):
     return lax.all_to_all(x, axes, 0, 0, tiled=True)
 
@@ -305,9 +294,6 @@ class Broadcast(Collective):
   def native(platform: str) -> bool:
     return platform == "gpu"
 
-  def busbw_factor(self, n):
-    return 1.0
-
   def hlo_expect(self, platform):
     return "collective-broadcast" if self.native(platform) else "all-reduce"
 
@@ -333,9 +319,6 @@ class Broadcast(Collective):
 class PPermute(Collective):
   """Point-to-point, as nccl-tests' sendrecv: each rank sends its buffer to the next rank of its group."""
   name, hlo_op = "ppermute", "collective-permute"
-
-  def busbw_factor(self, n):
-    return 1.0
 
   def pairs(self, n: int) -> list[tuple[int, int]]:
     """(source, target) group ranks."""

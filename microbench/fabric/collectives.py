@@ -28,16 +28,13 @@ import dataclasses
 import math
 import re
 
+from microbench.fabric import conventions
+from microbench.fabric.conventions import COLLECTIVES
 from microbench.fabric.description import Fabric, FabricError
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "ppermute")
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical", "nvls")
 AUTO = ("ring", "tree", "nvls")  # what NCCL chooses among by default; hierarchical only when asked
-RING_STEPS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}  # x (n - 1) steps
 NVLS_LINKS = ("nvlink4", "nvlink5")  # NVLink SHARP needs third-generation NVSwitches (Hopper and later)
-BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-                "broadcast": lambda n: 1.0, "ppermute": lambda n: 1.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +138,7 @@ class Prediction:
 
   @property
   def busbw_gbps(self) -> float:
-    return self.algbw_gbps * BUSBW_FACTOR[self.collective](self.ranks)
+    return self.algbw_gbps * conventions.busbw_factor(self.collective, self.ranks)
 
 
 def _us(volume_bytes: float, gbps: float) -> float:
@@ -165,7 +162,7 @@ def _terms(fab: Fabric, collective: str, algorithm: str, n: int, levels: list[Le
   if algorithm != "ring":
     return None
   if collective in ("all_reduce", "all_gather", "reduce_scatter"):
-    volume = (2 if collective == "all_reduce" else 1) * (n - 1) / n * s
+    volume = conventions.ring_bytes(collective, n, s)
     return {lv.name: _us(volume, lv.capacity_gbps) for lv in levels}
   if collective == "all_to_all":
     # Out of one unit: its ranks' data for every rank outside it. The scale_up level is each GPU's own
@@ -203,13 +200,13 @@ def _latency(fab: Fabric, collective: str, algorithm: str, n: int, levels: list[
     return fab.base_us + sum(2 * (lv.children - 1) * lv.hop_us for lv in levels)
   if algorithm == "nvls":
     return fab.base_us + 2 * slowest
-  if collective not in RING_STEPS:  # all-to-all and ppermute: every peer at once, one hop
+  # NCCL's ring model (conventions.latency_steps): the steps that cross a domain boundary pay the network
+  # hop, the others the NVLink hop; all-to-all and ppermute send to every peer at once, one step.
+  if collective not in conventions.RING_STEPS:
     return fab.base_us + slowest
-  # NCCL's ring model: of the ring's steps, those that cross a domain boundary pay the network hop.
-  per = RING_STEPS[collective]
   domains = math.prod(lv.children for lv in levels if lv.name != "scale_up")
-  inter = per * (domains - 1) if any(lv.name != "scale_up" for lv in levels) else 0
-  return fab.base_us + (per * (n - 1) - inter) * fab.hop_us("scale_up") + inter * net_hop
+  on_domain, network = conventions.latency_steps(collective, n, domains)
+  return fab.base_us + on_domain * fab.hop_us("scale_up") + network * net_hop
 
 
 def _assumptions(fab: Fabric, algorithm: str, shape: Shape) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from microbench.fabric import conventions
 from microbench.report import tables
 
 MODEL = "model.json"
@@ -48,9 +49,11 @@ FORM = "t_us(S) = alpha_us + S / (beta_gbps * 1e3)"  # S in bytes; 1 GB/s = 1e3 
 
 
 def ring_steps(collective: str, n: int) -> int | None:
-  """Latency-bound steps of the ring algorithm (NCCL's tuning model counts these)."""
-  return {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1, "all_to_all": n - 1,
-          "broadcast": n - 1, "ppermute": 1}.get(collective)
+  """Latency steps of NCCL's algorithm for the collective (fabric.conventions), None for one it does not know."""
+  try:
+    return conventions.total_steps(collective, n)
+  except ValueError:
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

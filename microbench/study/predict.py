@@ -7,8 +7,9 @@ the next, all-gather and reduce-scatter (n-1)/n S, all-to-all S/n to every other
 each source to its target. A flow crosses the source GPU's NVLink out and the target's in (same node), or
 the source node's NICs out, the leaf uplink and group links where it leaves them, and the target's way in.
 Levels without a rate (non-blocking) are left out of the path. Each collective also pays a latency no
-neighbour changes: the fabric's base latency plus its ring steps times the hop latency of the slowest level
-it crosses (NCCL's tuning model; `fit_from` sweeps replace the described hops with the measured alpha per
+neighbour changes: the fabric's base latency plus its steps, those between nodes at the network hop (the
+uplinks' where it leaves a leaf) and the others at the scale-up hop (NCCL's tuning model, counted as the fabric
+model counts it: fabric.conventions; `fit_from` sweeps replace the described hops with the measured alpha per
 step), plus `call_us` per call if given. The baseline of a matching key is its first job alone on that job's
 nodes, as `run` measures it.
 
@@ -27,9 +28,9 @@ import math
 import os
 from collections.abc import Sequence
 
+from microbench.fabric import conventions
 from microbench.fabric import description as fd
 from microbench.fabric import jobs as fj
-from microbench.report.alpha_beta import ring_steps
 from microbench.study import backends, runner, schedules
 from microbench.study import machines as mm
 
@@ -83,17 +84,19 @@ class Links:
       out.append(f"node{nb}:in")
     return tuple(out) or ("local",)
 
-  def latency_s(self, op: str, n: int, paths: Sequence[tuple[str, ...]], call_us: float = 0.0) -> float:
-    """A collective's unshared time: base + ring steps x the slowest crossed level's hop, + `call_us`."""
+  def latency_s(self, op: str, n: int, paths: Sequence[tuple[str, ...]], call_us: float = 0.0,
+                nodes: int | None = None) -> float:
+    """A collective's unshared time, NCCL's ring model as the fabric model counts it (fabric.conventions): base
+    + the steps inside a node at the scale-up hop + the steps between its `nodes` nodes at the network hop (the
+    uplinks' where a path leaves a leaf), + `call_us`. `nodes` None: one rank per node."""
     f = self.fabric
     if n < 2 or not paths:
       return call_us * 1e-6
     across = any(x.startswith(("leaf", "group")) for p in paths for x in p)
     network = across or any(x.startswith("node") for p in paths for x in p)
-    on_node = any(x.startswith("gpu") for p in paths for x in p)
-    hop = f.hop_us("leaf_up") if across else f.net_hop_us if network else f.scale_up_hop_us if on_node else 0.0
-    steps = ring_steps("ppermute" if op == "permute" else op, n) or 1
-    return (f.base_us + steps * hop + call_us) * 1e-6
+    on_domain, between = conventions.latency_steps(op, n, max(2, nodes or n) if network else 1)
+    net_hop = f.hop_us("leaf_up") if across else f.net_hop_us
+    return (f.base_us + on_domain * f.scale_up_hop_us + between * net_hop + call_us) * 1e-6
 
 
 def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links,
@@ -108,7 +111,7 @@ def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links
   elif c.op == "all_to_all":
     pairs = [(x, y, size / n) for x in ranks for y in ranks if x != y]
   else:
-    share = (2 if c.op == "all_reduce" else 1) * (n - 1) / n * size
+    share = conventions.ring_bytes(c.op, n, size)
     pairs = [(ranks[i], ranks[(i + 1) % n], share) for i in range(n)] if n > 1 else []
   return tuple((links.path(where[a], where[b]), v) for a, b, v in pairs if v > 0)
 
@@ -132,8 +135,9 @@ def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, 
         ident = (c.op, c.label, c.group.ranks, c.pairs)
         seen[ident] = seen.get(ident, 0) + 1
         flows = comm_flows(c, where, links, element_bytes)
+        spread = len({where[x][0] for x in c.group.ranks})
         coll = fj.Collective(f"{c.label}:{c.op}:{','.join(map(str, c.group.ranks))}:{seen[ident]}", c.group.ranks,
-                             flows, links.latency_s(c.op, len(c.group.ranks), [p for p, _ in flows], call_us))
+                             flows, links.latency_s(c.op, len(c.group.ranks), [p for p, _ in flows], call_us, spread))
         out.append(fj.Start(coll, s.handle) if isinstance(s, schedules.Start) else fj.Blocking(coll))
     programs[r] = tuple(out)
   return fj.Job(name, programs)
@@ -251,7 +255,7 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
           for k, v in per_key.items()}
   return {"fabric": fab.describe(), "assumptions": list(fj.ASSUMPTIONS) + [
               "a collective moves as NCCL's ring (all-to-all and permutes as direct sends)",
-              f"a collective's latency: base {fab.base_us:g} us + ring steps x hop (network {fab.net_hop_us:g} us,"
+              f"a collective's latency: base {fab.base_us:g} us + steps x hop (between nodes {fab.net_hop_us:g} us,"
               + (f" across racks {fab.uplink_hop_us:g} us," if fab.uplink_hop_us is not None else "")
               + f" scale-up {fab.scale_up_hop_us:g} us)" + (f" + {call_us:g} us per call" if call_us else ""),
               "the key's baseline is its first job alone on that job's nodes"],
