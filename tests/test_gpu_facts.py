@@ -200,3 +200,23 @@ def test_every_peak_names_the_algorithm_it_assumes():
   assert rec["busbw_pct_of_peak"] == 50.0 and rec["peak_algorithm"] == link_peaks.ALGORITHMS["all_reduce"]
   assert link_peaks.share(1.0, None, "ppermute")["peak_algorithm"] == link_peaks.ALGORITHMS["ppermute"]
   assert set(link_peaks.share(1.0, 2.0)) == {"peak_gbps", "busbw_pct_of_peak"}  # records without it unchanged
+
+
+def test_the_studys_machines_and_gpus_are_the_fabrics():
+  """One vocabulary: a study machine's nodes, L1 switches (leaves) and groups are its fabric description's,
+  and the study's GPU peaks are the kinds' except the seed study's named calibration."""
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+  from microbench.study import workloads as wl  # pylint: disable=g-import-not-at-top
+  for name in fd.SYSTEMS:
+    if name not in mm.PRESETS:
+      continue
+    m, f = mm.parse(name), fd.system(name)
+    assert (m.gpus_per_node, m.nodes_per_l1, m.l1_per_group, m.gpu) == (
+        f.gpus_per_node, f.nodes_per_leaf, f.leaves_per_group, f.gpu), name
+  kinds = gpu_kinds.kinds()
+  for name, g in wl.GPUS.items():
+    if name in wl.CALIBRATION:
+      continue
+    kind = kinds[name.lower()]
+    assert g.peak_flops == kind.bf16_tflops * 1e12 and g.bandwidth == kind.xla["memory_bandwidth"], name
+  assert wl.GPUS["B300"].peak_flops == 2250e12  # the kind's dense bf16, not the seed's 3.5 PFLOP/s

@@ -150,8 +150,10 @@ _UPLINKS = "leaf and group uplinks non-blocking (no public figure; an upper boun
 SYSTEMS: dict[str, dict] = {
     "leonardo": dict(gpu="A100", gpus_per_node=4, scale_up_link="nvlink3", nic_link="hdr100", nics_per_node=4,
                      nodes_per_leaf=10, leaves_per_group=18, assumed=(_UPLINKS,)),
+    # LUMI-G: HPE Cray EX cabinets as Dragonfly groups of ~124 nodes, switches serving 8 nodes, 16 per group
+    # (the study's node map of LUMI; the same shape the study's machine uses).
     "lumi": dict(gpu="MI250X", gpus_per_node=8, scale_up_link="xgmi", nic_link="slingshot11", nics_per_node=4,
-                 nodes_per_leaf=16, leaves_per_group=123,
+                 nodes_per_leaf=8, leaves_per_group=16,
                  assumed=(_UPLINKS, "Infinity Fabric as one 50 GB/s link per GCD (the slowest GCD pair)")),
     "alps": dict(gpu="GH200", gpus_per_node=4, scale_up_link="nvlink4", nic_link="slingshot11", nics_per_node=4,
                  nodes_per_leaf=7, leaves_per_group=14, assumed=(_UPLINKS,)),

@@ -129,9 +129,9 @@ PRESETS: dict[str, dict] = {
     # Dragonfly+: 18 L1 switches x 10 nodes per group, 4 A100 per node; the study ran 510 nodes.
     "leonardo": dict(_shape("leonardo"), nodes=510),
     # 8 MI250X GCDs per node, g_min 16, 320 nodes, the 8-GPU extended table (the artifact's LUMI command).
-    # Nodes and switches as JobPlacer's systems/LUMI.toml: cabinets (Dragonfly groups) of 124 nodes under 16
-    # switch pairs of 8 nodes; the generator's capacities stay the command's q2/q3 = 128/15744 GPUs.
-    "lumi": dict(_shape("lumi"), nodes_per_l1=8, l1_per_group=16, nodes=320, g_min=16, size_table="extended",
+    # Nodes and switches from the fabric's description (cabinets as Dragonfly groups, 8-node switches, 16 per
+    # group); the generator's capacities stay the command's q2/q3 = 128/15744 GPUs.
+    "lumi": dict(_shape("lumi"), nodes=320, g_min=16, size_table="extended",
                  class_q2_gpus=128, class_q3_gpus=15744),
     # Slingshot groups of ~84-112 nodes, virtual switches of ~7 nodes; 4 GH200 per node; 330 nodes.
     "alps": dict(_shape("alps"), nodes=330),

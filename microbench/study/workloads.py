@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from microbench.fabric import gpu_kinds
+
 BF16_BYTES = 2  # the study's element size (s in the roofline, and what NCCL sends)
 LOCAL_BATCH = 16  # B: the study's per-rank batch (its tables are for B=16)
 
@@ -25,16 +27,28 @@ class Gpu:
   bandwidth: float  # memory bytes/s
 
 
-GPUS: dict[str, Gpu] = {g.name: g for g in (
-    Gpu("A100", 312e12, 2.0e12),
-    Gpu("H100", 989e12, 3.35e12),
-    Gpu("H200", 989e12, 4.8e12),
-    Gpu("GH200", 990e12, 4.0e12),
-    Gpu("B200", 2.25e15, 8.0e12),
-    Gpu("B300", 3.5e15, 8.0e12),
-    Gpu("GB300", 2.4e15, 8.0e12),  # peak checked against the study's GB300 forward times; bandwidth unverified
+# The study's roofline constants where they are not a device's facts: the seed study's calibration, which
+# reproduces its published forward times (docs/study.md, section 1): MI250X as one module of two GCDs, GB300 at
+# the seed's 2.4 PFLOP/s. Every other GPU takes its dense bf16 peak and memory bandwidth from its kind
+# (fabric/gpu_specs, each figure with its source).
+CALIBRATION: dict[str, Gpu] = {g.name: g for g in (
     Gpu("MI250X", 383e12, 3.2e12),
+    Gpu("GB300", 2.4e15, 8.0e12),
 )}
+
+
+def _from_kinds() -> dict[str, Gpu]:
+  out = {}
+  for kind in gpu_kinds.kinds().values():
+    name = kind.name.upper()
+    if name in CALIBRATION:
+      out[name] = CALIBRATION[name]
+    elif kind.xla and "memory_bandwidth" in kind.xla:
+      out[name] = Gpu(name, kind.bf16_tflops * 1e12, float(kind.xla["memory_bandwidth"]))
+  return out
+
+
+GPUS: dict[str, Gpu] = _from_kinds()
 
 
 @dataclasses.dataclass(frozen=True)
