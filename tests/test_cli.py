@@ -119,6 +119,8 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--target=h100", "--inject_crash=0:1", "--inject_delay=0:5"], "--inject_delay, --inject_crash do nothing"),
     (["--target=h100", "--inject_hang=0:1"], "--inject_hang does nothing with --target"),
     (["--target=h100", "--profile_points=1"], "--profile_points does nothing with --target"),
+    (["--target=h100", "--samples=5", "--warmup=2"], "--warmup, --samples do nothing with --target"),
+    (["--target=h100", "--sample_ms=5", "--hang_timeout=9"], "--sample_ms, --hang_timeout do nothing"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
   # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.

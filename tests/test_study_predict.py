@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from microbench.study import predict, report
+from microbench.study import machines as mm
+from microbench.study import predict, report, runner
 from test_study_runner import FakeBackend, behave_by_kind, make_plan, run
 
 
@@ -106,14 +107,19 @@ def test_predict_fits_the_links_from_sweeps(tmp_path):
   alpha_beta.write_model(str(run_dir), [alpha_beta.Fit("all_reduce", "scale_out", "float32", 2, 5, 1 << 20, 16 << 20,
                                                        400.0, 0.01, "test", 0.99, 0.01, 0.02, 1.0, 0.01, steps,
                                                        400.0 / steps)])
-  cmd = [sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={plan}", f"--out={tmp_path / 'r'}",
-         "--bytes_scale=0.005", f"--fit_from={run_dir}"]
-  r = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=120)
-  assert r.returncode == 0, r.stderr
-  assert "nic fitted: 0.01 GB/s from all_reduce over scale_out (2 ranks, float32), hop 200 us" in r.stdout + r.stderr
-  got = predict.read(str(tmp_path / "r"))
+  said: list[str] = []
+  got = predict.predict(str(plan), bytes_scale=0.005, fit_from=[str(run_dir)], say=said.append)
+  assert "nic fitted: 0.01 GB/s from all_reduce over scale_out (2 ranks, float32), hop 200 us" in said
   assert any("fitted from sweeps: nic" in line for line in got["fabric"])
-  bad = subprocess.run(cmd[:-1] + [f"--fit_from={tmp_path}"], capture_output=True, text=True, check=False, timeout=120)
+  described = predict.predict(str(plan), bytes_scale=0.005)
+  assert not any("fitted from sweeps" in line for line in described["fabric"])
+  assert got["keys"] != described["keys"]  # the fitted links change the prediction
+  with pytest.raises(ValueError, match="no meta.json there"):
+    predict.predict(str(plan), fit_from=[str(tmp_path)])
+  # The command's thin layer: the same failure is one line.
+  bad = subprocess.run([sys.executable, "-m", "microbench.cli.study", "predict", f"--plan={plan}",
+                        f"--out={tmp_path / 'r'}", f"--fit_from={tmp_path}"], capture_output=True, text=True,
+                       check=False, timeout=120)
   assert bad.returncode != 0 and "no meta.json there" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -123,8 +129,9 @@ def test_jobs_whose_proxies_come_from_hlo_are_derived_and_predicted(tmp_path):
   r = subprocess.run([*study, "plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3",
                       "--derive=dp=gpt2-tiny", f"--out={plan}"], capture_output=True, text=True, check=False, timeout=120)
   assert r.returncode == 0, r.stderr
-  with pytest.raises(ValueError, match="derive it first"):
-    predict.predict(str(plan))
+  plan_json, experiments = runner.load_plan(str(plan))
+  with pytest.raises(ValueError, match="derive it first"):  # the model never guesses a derived schedule
+    predict.predict_experiments(mm.Machine.from_json(plan_json["machine"]), experiments)
   r = subprocess.run([*study, "predict", f"--plan={plan}", f"--out={res}", "--compute_scale=0"],
                      capture_output=True, text=True, check=False, timeout=300)
   assert r.returncode == 0, r.stderr

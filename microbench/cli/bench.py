@@ -109,7 +109,8 @@ def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] 
 
 
 # What only a run does (processes, fault injection, traces of timed calls): refused with --target.
-RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "inject_delay", "inject_crash", "inject_hang", "profile_points")
+RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "inject_delay", "inject_crash", "inject_hang", "profile_points", "warmup",
+                  "samples", "sample_ms", "hang_timeout")  # timing and fault flags: a compile-only run times nothing
 
 
 def config_from_flags() -> sweep.SweepConfig:

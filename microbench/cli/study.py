@@ -470,45 +470,18 @@ def _run() -> int:
 
 
 def _predict() -> int:
-  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
   from microbench.study import machines, predict, runner  # pylint: disable=g-import-not-at-top
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required (the folder `run` fills)")
   try:
-    plan, experiments = runner.load_plan(FLAGS.plan)  # read once: the fits, the derivations and the model use it
-    machine = machines.Machine.from_json(plan["machine"])
-    fab, notes = None, []
-    if FLAGS.fit_from:
-      fab = machines.fabric_of(machine)
-      for run_dir in FLAGS.fit_from:
-        fab, more = fabric_fit.fit_from_run(fab, run_dir)
-        notes += more
-    derived = None
-    need = predict.proxy_from_gpus(experiments)
-    if need:  # jobs whose proxies are read from HLO: compile their steps as `run` will (virtual CPU devices)
-      from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
-      from microbench.cluster import machine as cluster_machine  # pylint: disable=g-import-not-at-top
-      cluster_machine.prepare_cpu_devices(Topology(1, 1, need), False)
-      import jax  # pylint: disable=g-import-not-at-top
-      say(f"deriving the schedules of {sum(1 for e in experiments for j in e['jobs'] if j.get('proxy_from'))} job(s)"
-          f" from their training steps' HLO ({need} virtual devices)")
-      derived = predict.derive_schedules(experiments, machine, jax.devices())
-    pred = predict.predict_experiments(machine, experiments, FLAGS.bytes_scale, FLAGS.compute_scale,
-                                       FLAGS.proxy_dtype, fabric=fab, call_us=FLAGS.call_us, derived=derived)
+    pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype,
+                           call_us=FLAGS.call_us, fit_from=FLAGS.fit_from, say=say)
   except (runner.RunError, machines.MachineError, ValueError) as e:
     raise app.UsageError(str(e)) from None
-  for line in notes:
-    say(line)
   path = predict.write(FLAGS.out, pred)
-  print("| experiment | job | key | alone (s) | in the mix (s) | sigma | link |")
-  print("|---|---|---|---|---|---|---|")
-  for eid, e in pred["experiments"].items():
-    for j in e["jobs"]:
-      print(f"| {eid} | {j['job']} | {j['key']} | {j['alone_s']:.4g} | {j['together_s']:.4g} | {j['sigma']:.3f} |"
-            f" {j['link'] or '-'} |")
-  for name, k in pred["keys"].items():
-    if k.get("note"):
-      say(f"{name}: {k['note']} ({100 * k['latency_share']:.0f}% of its time alone)")
+  print("\n".join(predict.table(pred)))
+  for line in predict.key_notes(pred):
+    say(line)
   say(f"predicted sigma for {len(pred['keys'])} key(s) -> {path}; `run --out={FLAGS.out}` measures them")
   return 0
 

@@ -26,11 +26,13 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
 
 from microbench.fabric import conventions
 from microbench.fabric import description as fd
 from microbench.fabric import jobs as fj
+from microbench.report import fabric_fit
 from microbench.study import backends, runner, schedules
 from microbench.study import machines as mm
 
@@ -195,12 +197,48 @@ def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, f
 
 def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0, dtype: str = "bfloat16",
             iterations: int = 6, fabric: fd.Fabric | None = None, call_us: float = 0.0,
-            derived: Derived | None = None) -> dict:
-  """Predicted iteration times alone and in the mix, sigma per job and per matching key; `fabric` replaces
-  the machine's described links (a fitted one, say)."""
-  plan, experiments = runner.load_plan(plan_dir)
-  return predict_experiments(mm.Machine.from_json(plan["machine"]), experiments, bytes_scale, compute_scale, dtype,
-                             iterations, fabric=fabric, call_us=call_us, derived=derived)
+            derived: Derived | None = None, fit_from: Sequence[str] = (),
+            say: Callable[[str], None] = lambda msg: None) -> dict:
+  """Predicted iteration times alone and in the mix, sigma per job and per matching key, for a plan folder:
+  what `microbench-study predict` runs. `fabric` replaces the machine's described links; `fit_from` sweep
+  folders then replace its levels with their fits (each change said through `say`). Jobs whose proxies come
+  from a model's HLO are derived here as `run` will (on virtual CPU devices) unless `derived` is given."""
+  plan, experiments = runner.load_plan(plan_dir)  # read once: the fits, the derivations and the model use it
+  machine = mm.Machine.from_json(plan["machine"])
+  if fit_from:
+    fabric = fabric or mm.fabric_of(machine)
+    for run_dir in fit_from:
+      fabric, notes = fabric_fit.fit_from_run(fabric, run_dir)
+      for line in notes:
+        say(line)
+  need = proxy_from_gpus(experiments)
+  if derived is None and need:
+    # JAX only here, after the virtual devices are set (a plan without such jobs needs none).
+    from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+    from microbench.cluster import machine as cluster_machine  # pylint: disable=g-import-not-at-top
+    cluster_machine.prepare_cpu_devices(Topology(1, 1, need), False)
+    import jax  # pylint: disable=g-import-not-at-top
+    say(f"deriving the schedules of {sum(1 for e in experiments for j in e['jobs'] if j.get('proxy_from'))} job(s)"
+        f" from their training steps' HLO ({need} virtual devices)")
+    derived = derive_schedules(experiments, machine, jax.devices())
+  return predict_experiments(machine, experiments, bytes_scale, compute_scale, dtype, iterations, fabric=fabric,
+                             call_us=call_us, derived=derived)
+
+
+def table(prediction: dict) -> list[str]:
+  """The prediction as a Markdown table, one row per job of every experiment."""
+  out = ["| experiment | job | key | alone (s) | in the mix (s) | sigma | link |", "|---|---|---|---|---|---|---|"]
+  for eid, e in prediction["experiments"].items():
+    for j in e["jobs"]:
+      out.append(f"| {eid} | {j['job']} | {j['key']} | {j['alone_s']:.4g} | {j['together_s']:.4g} |"
+                 f" {j['sigma']:.3f} | {j['link'] or '-'} |")
+  return out
+
+
+def key_notes(prediction: dict) -> list[str]:
+  """One line per key whose prediction rests on its latency term rather than on the shared links."""
+  return [f"{name}: {k['note']} ({100 * k['latency_share']:.0f}% of its time alone)"
+          for name, k in prediction["keys"].items() if k.get("note")]
 
 
 def mix_times(machine: mm.Machine, jobs: Sequence[dict], bytes_scale: float = 1.0, compute_scale: float = 1.0,
