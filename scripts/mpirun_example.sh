@@ -13,8 +13,11 @@ shift 2
 NODES=$(grep -Evc '^[[:space:]]*(#|$)' "$HOSTFILE")
 HEAD=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE")
 PORT=${MICROBENCH_PORT:-29500}
+# NCCL's, XLA's and JAX's settings reach the ranks on other hosts too (mpirun exports only what -x names).
+EXPORTS=()
+for name in $(compgen -e | grep -E '^(NCCL_|XLA_|JAX_|CUDA_VISIBLE_DEVICES$)' || true); do EXPORTS+=(-x "$name"); done
 exec mpirun --hostfile "$HOSTFILE" -np $((NODES * GPUS)) --map-by "ppr:${GPUS}:node" --bind-to none \
-  -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x VIRTUAL_ENV \
+  -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x VIRTUAL_ENV ${EXPORTS[@]+"${EXPORTS[@]}"} \
   bash -c '[[ -n ${OMPI_MCA_orte_hnp_uri:-} ]] || export CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK
     exec python -m microbench --distributed --coordinator_address='"${HEAD}:${PORT}"' \
       --num_processes=$OMPI_COMM_WORLD_SIZE --process_id=$OMPI_COMM_WORLD_RANK "$@"' microbench "$@"

@@ -66,6 +66,7 @@ def test_without_the_plugin_the_target_says_what_to_install(monkeypatch):
 
 def test_fit_is_against_what_jax_gets_of_the_device(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
   f = compile_only.fit(70 * 2**30, 80 * 2**30)
   assert f["fits"] is False and f["fits_whole_device"] is True and f["usable_bytes"] == 60 * 2**30
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")

@@ -110,12 +110,23 @@ def test_a_50_gib_all_reduce_fits_an_h200(monkeypatch):
   """Its argument and output (100 GiB, no aliasing) fit the 75% JAX takes of 143771 MiB (105.3 GiB); against the
   datasheet's 141 GB (98.5 GiB usable) the verdict was DOES NOT FIT, 7% pessimistic."""
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
   need = 2 * 50 * GIB
   f = compile_only.fit(need, gpu_kinds.target("h200").memory_bytes)
   assert f["fits"] is True and f["usable_bytes"] == int(0.75 * 143771 * MIB)
   assert round(f["usable_bytes"] / GIB, 1) == 105.3
   old = compile_only.fit(need, 141_000_000_000)
   assert old["fits"] is False and round(old["usable_bytes"] / GIB, 1) == 98.5
+
+
+@pytest.mark.parametrize("name", ["XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"])
+def test_the_fit_uses_the_memory_fraction_under_either_name(monkeypatch, name):
+  """Current JAX reads XLA_CLIENT_MEM_FRACTION, older JAX XLA_PYTHON_CLIENT_MEM_FRACTION: a run under either
+  gets that share of the device, so the fit verdict must too."""
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
+  monkeypatch.setenv(name, "0.5")
+  assert compile_only.mem_fraction() == 0.5
 
 
 # ------------------------------------------------------------------------------------ bus peaks vs the links

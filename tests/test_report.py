@@ -701,3 +701,15 @@ def test_share_of_peak_is_a_tensorboard_scalar_where_the_peak_is_known(tmp_path)
         values[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
   pct = values["busbw_pct_of_peak/all_reduce/scale_up/float32"]
   assert pct == [(run_folder.size_step(1024), pytest.approx(recs[0]["busbw_pct_of_peak"], rel=1e-5))]
+
+
+def test_jobs_started_in_the_same_second_get_folders_of_their_own(monkeypatch):
+  """`microbench-testbed run` starts its jobs at once: each job's default run folder carries its number."""
+  monkeypatch.delenv("MICROBENCH_JOB", raising=False)
+  alone = run_folder.default_name("gpt2")
+  assert alone.startswith("gpt2_") and "job" not in alone
+  names = set()
+  for job in ("0", "1"):
+    monkeypatch.setenv("MICROBENCH_JOB", job)
+    names.add(run_folder.default_name())
+  assert len(names) == 2 and all(n.endswith(("-job0", "-job1")) for n in names)

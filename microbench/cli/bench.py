@@ -5,7 +5,6 @@ Flags only; the work is in microbench.bench.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import sys
@@ -184,8 +183,7 @@ def main(argv: list[str]) -> int:
     topology = machine.parse_topology(FLAGS.topology) if FLAGS.topology else None
   except machine.TopologyError as e:
     raise app.UsageError(str(e)) from None
-  outdir = FLAGS.resume or FLAGS.outdir or os.path.join(
-      "runs", datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+  outdir = FLAGS.resume or FLAGS.outdir or os.path.join("runs", run_folder.default_name())
   if not FLAGS.resume and run_folder.read_meta(outdir) is not None:
     raise app.UsageError(f"--outdir={outdir} already holds a run: choose a new folder, or continue that run"
                          f" with --resume={outdir}")

@@ -22,7 +22,7 @@ from typing import Any
 
 from microbench.cluster import launch
 
-ENV_PREFIXES = ("NCCL_", "JAX_", "TF_CPP_")
+ENV_PREFIXES = ("NCCL_", "JAX_", "TF_CPP_", "XLA_CLIENT_", "XLA_PYTHON_CLIENT_")  # the last two: device memory
 ENV_NAMES = ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
 # Distributions whose versions matter to a result: the JAX stack, its GPU/TPU plugins, NCCL's wheel.
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy")
@@ -37,7 +37,7 @@ def _safe(fn: Callable[[], Any]) -> Any:
 
 
 def variables(environ: dict[str, str] | None = None) -> dict[str, str]:
-  """XLA_FLAGS, CUDA_VISIBLE_DEVICES and every NCCL_*, JAX_*, TF_CPP_* variable that is set."""
+  """XLA_FLAGS, CUDA_VISIBLE_DEVICES and every NCCL_*, JAX_*, TF_CPP_*, XLA_[PYTHON_]CLIENT_* variable set."""
   environ = os.environ if environ is None else environ
   return {k: v for k, v in sorted(environ.items()) if k in ENV_NAMES or k.startswith(ENV_PREFIXES)}
 

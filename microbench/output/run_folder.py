@@ -7,6 +7,7 @@ Only process 0 writes; other processes get a writer that does nothing, so caller
 from __future__ import annotations
 
 import csv
+import datetime
 import json
 import math
 import os
@@ -24,6 +25,14 @@ META = "meta.json"
 CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count", "group_size", "num_groups",
             "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "peak_algorithm", "wrong", "status",
             "reason")
+
+
+def default_name(*parts: str) -> str:
+  """A new run folder's name: the parts, the UTC time to the second, and the testbed job's number where one
+  runs (MICROBENCH_JOB): jobs that `microbench-testbed run` starts in the same second get folders of their own."""
+  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+  job = os.environ.get("MICROBENCH_JOB")
+  return "_".join((*parts, stamp)) + (f"-job{job}" if job else "")
 
 
 def _size_name(nbytes: int) -> str:

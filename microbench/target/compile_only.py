@@ -113,10 +113,11 @@ DEFAULT_MEM_FRACTION = 0.75  # JAX on GPU preallocates this share of device memo
 
 
 def mem_fraction() -> float:
-  """The share of device memory a JAX process on the GPU will use: XLA_PYTHON_CLIENT_MEM_FRACTION as the run
-  would see it, else JAX's default 0.75."""
+  """The share of device memory a JAX process on the GPU will use: XLA_CLIENT_MEM_FRACTION (current JAX's name)
+  or XLA_PYTHON_CLIENT_MEM_FRACTION (the older one) as the run would see it, else JAX's default 0.75."""
+  text = os.environ.get("XLA_CLIENT_MEM_FRACTION") or os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
   try:
-    value = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+    value = float(text or DEFAULT_MEM_FRACTION)
   except ValueError:
     return DEFAULT_MEM_FRACTION
   return value if 0 < value <= 1 else DEFAULT_MEM_FRACTION

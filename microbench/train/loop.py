@@ -9,7 +9,6 @@ stops after the compile and reports what the program would need.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import os
 import re
 import statistics
@@ -21,6 +20,7 @@ import numpy as np
 
 from meshes import parallelism as par
 from microbench.cluster import environment, machine
+from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.fabric import gpu_kinds
 from microbench.target import compile_only
@@ -122,9 +122,8 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
-  stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
   name = f"{cfg.model}-{cfg.size or 'default'}_{(cfg.parallelism or 'dp').replace(':', '').replace(',', '-')}"
-  return os.path.join("runs", "train", f"{name}_{stamp}")
+  return os.path.join("runs", "train", run_folder.default_name(name))
 
 
 @dataclasses.dataclass
