@@ -283,3 +283,26 @@ def test_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypatch)
   assert peaks.device_peak(cpu, "bfloat16", 8).tflops == 3.0 / 8 and calls == ["float32", "bfloat16"]
   monkeypatch.setenv("MICROBENCH_REMEASURE_PEAK", "1")
   assert peaks.device_peak(cpu, "float32", 8).tflops == 4.0 / 8 and len(calls) == 3
+
+
+def test_an_implausible_cpu_calibration_is_neither_used_nor_kept(tmp_path, monkeypatch):
+  """A calibration that timed something else (815 TFLOP/s on 2 cores was once cached here) gives no MFU rather
+  than ~0%, is not written to the cache, and a cached one is measured again."""
+  path = tmp_path / "peaks.json"
+  monkeypatch.setenv("MICROBENCH_PEAK_CACHE", str(path))
+  monkeypatch.delenv("MICROBENCH_REMEASURE_PEAK", raising=False)
+  rates = [815.0, 0.05]
+  monkeypatch.setattr(peaks, "calibrate_cpu_matmul", lambda dtype: {
+      "tflops_runs": [rates[0]], "median_tflops": rates.pop(0), "spread": 0.0, "matmul": "1024^3 " + dtype,
+      "best_of": 3})
+  cpu = jax.devices("cpu")[0]
+  bad = peaks.device_peak(cpu, "float32", 8)
+  assert bad.tflops is None and "not kept, no MFU" in bad.source and not path.exists()
+  good = peaks.device_peak(cpu, "float32", 8)
+  assert good.tflops == pytest.approx(0.05 / 8) and path.exists()
+  cache = json.loads(path.read_text())
+  key = next(iter(cache))
+  cache[key]["median_tflops"] = 815.0  # a bad entry from before the check
+  path.write_text(json.dumps(cache))
+  rates.append(0.06)
+  assert peaks.device_peak(cpu, "float32", 8).tflops == pytest.approx(0.06 / 8)

@@ -30,7 +30,7 @@ def plugin_available() -> bool:
 def require_plugin() -> None:
   if not plugin_available():
     raise TargetError(f"--target compiles with XLA:GPU, which needs JAX's CUDA plugin: {INSTALL_HINT}"
-                      " (about 0.5 GB, no GPU or driver needed)")
+                      " (about 3 GB with cuDNN, no GPU or driver needed)")
 
 
 def keep_default_backend_on_cpu() -> None:

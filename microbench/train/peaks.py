@@ -107,6 +107,16 @@ def _machine_key(dtype: str) -> str:
   return f"{model} | {os.cpu_count()} cores | {dtype}"
 
 
+# No CPU core reaches this (AVX-512 fp32 is ~0.2 TFLOP/s per core, AMX bf16 ~2): a calibration above it timed
+# something other than the matmul (a clock or a call that did not wait), and an MFU from it would be ~0%.
+PLAUSIBLE_TFLOPS_PER_CORE = 5.0
+
+
+def plausible(cal: dict[str, Any]) -> bool:
+  """Whether a CPU calibration could be this machine's matmul rate."""
+  return 0 < cal.get("median_tflops", 0) <= PLAUSIBLE_TFLOPS_PER_CORE * (os.cpu_count() or 1)
+
+
 def machine_cpu_peak(dtype: str) -> dict[str, Any]:
   """This machine's CPU calibration: measured once (calibrate_cpu_matmul), then read back from the cache file
   with its date and spread; a cache that can't be read or written is measured around, never fatal."""
@@ -116,10 +126,12 @@ def machine_cpu_peak(dtype: str) -> dict[str, Any]:
       cache = json.load(f)
   except (OSError, ValueError):
     cache = {}
-  if key in cache and not os.environ.get("MICROBENCH_REMEASURE_PEAK"):
+  if key in cache and not os.environ.get("MICROBENCH_REMEASURE_PEAK") and plausible(cache[key]):
     return {**cache[key], "reused": True}
   cal = {**calibrate_cpu_matmul(dtype), "machine": key,
          "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+  if not plausible(cal):
+    return {**cal, "reused": False}  # never kept: the next run measures again
   cache[key] = cal
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -137,6 +149,9 @@ def device_peak(device: jax.Device, dtype: str, local_devices: int) -> Peak:
   if device.platform == "cpu":
     cal = machine_cpu_peak(dtype)
     machine = cal["median_tflops"]
+    if not plausible(cal):
+      return Peak(None, f"CPU matmul calibration of {machine:.3g} TFLOP/s per process is above what"
+                  f" {os.cpu_count()} cores can do ({PLAUSIBLE_TFLOPS_PER_CORE:g} per core): not kept, no MFU", cal)
     share = f", shared by {local_devices} CPU devices" if local_devices > 1 else ""
     when = f"measured {cal['measured_at'][:10]}, reused" if cal["reused"] else "measured now"
     return Peak(machine / local_devices,
