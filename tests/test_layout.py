@@ -244,3 +244,29 @@ def test_every_slow_entry_names_a_test():
         if isinstance(node, ast.FunctionDef):
           names.add(f"tests/{f}::{node.name}")
   assert set(SLOW) <= names, sorted(set(SLOW) - names)
+
+
+def test_every_link_between_the_docs_resolves():
+  """README and docs/ link each other by relative path: every such link names a file that exists (and, for
+  `page.md#anchor`, a heading of that page), so the book has no dead ends."""
+  import re  # pylint: disable=g-import-not-at-top
+
+  def anchors(path: str) -> set[str]:
+    heads = [line.lstrip("#").strip() for line in open(path, encoding="utf-8") if line.startswith("#")]
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in heads}
+
+  pages = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                           if f.endswith(".md")]
+  bad = []
+  for page in pages:
+    text = open(os.path.join(ROOT, page), encoding="utf-8").read()
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+      if target.startswith(("http://", "https://", "#", "mailto:")):
+        continue
+      rel, _, anchor = target.partition("#")
+      path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), rel))
+      if not os.path.exists(path):
+        bad.append(f"{page}: {target} (no such file)")
+      elif anchor and path.endswith(".md") and anchor not in anchors(path):
+        bad.append(f"{page}: {target} (no such heading)")
+  assert not bad, "\n".join(bad)

@@ -18,7 +18,7 @@ when every level runs at its peak and the levels overlap (an upper bound): for r
 costs (D_i - 1) / (D_i * P_i * W_i) per byte, where D_i is the group's extent at that level, P_i the number
 of group ranks inside one unit of the level below (each with its own link) and W_i the link peak; the bound
 is (n - 1) / n over the largest cost. This is why busbw over a hierarchy can exceed the slowest link: it is a
-flat-fabric equivalent (see README, "How close to the hardware"); it never exceeds the sum of the distinct
+flat-fabric equivalent (docs/measuring.md, "How close to the hardware"); it never exceeds the sum of the distinct
 links a GPU has (NVLink + NIC), and within one link (one NVLink domain, one NIC rail) never that link's rate.
 
 Each peak assumes an algorithm (`ALGORITHMS`, and `peak_algorithm` in a record): ring or hierarchical ring
@@ -65,7 +65,7 @@ LINKS: dict[str, tuple[float, str, str]] = {
 
 # Links a rack_scale figure can name that are NICs: a rack whose nodes talk over a network of their own rate.
 # Any other rack_scale figure (an NVLink name, or a number) is an NVLink domain spanning the rack, reached over
-# the same per-GPU links as scale_up (README: "rack_scale ... an NVLink domain such as NVL72").
+# the same per-GPU links as scale_up (docs/measuring.md: rack_scale models an NVLink domain such as NVL72).
 NIC_LINKS = ("edr", "hdr100", "hdr", "ndr200", "ndr", "xdr", "slingshot11")
 
 # The algorithm each bus_peak assumes, per collective (a record's `peak_algorithm`).
