@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from microbench.cluster import testbed as tbm
 from microbench.fabric import description as fd
 from microbench.study import workloads as wl
 from microbench.fabric import rates
