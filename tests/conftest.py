@@ -162,6 +162,7 @@ SLOW = (
     "tests/test_presets.py::test_every_preset_trains_on_8_cpu_devices",
     "tests/test_report.py::test_report_bad_run_folder_or_out_is_one_line",
     "tests/test_report.py::test_report_command_line",
+    "tests/test_report.py::test_report_sets_a_run_beside_nccl_tests",
     "tests/test_report.py::test_runs_from_one_distribution_mark_no_point_changed",
     "tests/test_report.py::test_the_interval_covers_the_true_ratio_in_most_seeds",
     "tests/test_slurm.py::test_distributed_detects_slurm_under_srun",

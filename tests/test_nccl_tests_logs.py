@@ -123,3 +123,26 @@ def test_files_that_cannot_be_read_or_hold_no_table_are_one_line(tmp_path):
                                        ("sendrecv_perf", "ppermute"), ("all_gather", "all_gather")])
 def test_binaries_map_to_collective_names(name, want):
   assert nccl_tests.collective_of(name) == want
+
+
+def _jax_point(busbw, samples, size=16777216, n=2, dtype="float32"):
+  time_us = float(sorted(samples)[len(samples) // 2]) if samples else 100.0
+  return {"collective": "all_reduce", "dtype": dtype, "bytes": size, "scope": "scale_up", "group_size": n,
+          "busbw_gbps": busbw, "time_us": time_us, "samples_us": samples}
+
+
+def test_a_jax_point_beside_nccl_tests_says_slower_only_beyond_its_noise():
+  recs, _ = nccl_tests.read(NEW)
+  steady = [95.0, 95.2, 95.1, 94.9, 95.3, 95.0]
+  slow = nccl_tests.compare([_jax_point(88.0, steady)], recs)
+  assert len(slow) == 1 and slow[0][2] == 16777216 and slow[0][6] == 176.04
+  assert slow[0][8] == pytest.approx(88.0 / 176.04) and slow[0][10] == "JAX slower"
+  same = nccl_tests.compare([_jax_point(176.0, steady)], recs)[0]
+  assert same[10] == "same within noise"
+  noisy = nccl_tests.compare([_jax_point(150.0, [60.0, 95.0, 140.0, 70.0, 120.0])], recs)[0]
+  assert noisy[10] == "same within noise"  # a wide spread resolves nothing
+  assert nccl_tests.compare([_jax_point(150.0, [])], recs)[0][10] == "unknown (no samples)"
+  # Another size, dtype or group size is not the same measurement.
+  assert nccl_tests.compare([_jax_point(150.0, steady, size=8 << 20)], recs) == []
+  assert nccl_tests.compare([_jax_point(150.0, steady, dtype="bfloat16")], recs) == []
+  assert nccl_tests.compare([_jax_point(150.0, steady, n=8)], recs) == []

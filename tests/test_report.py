@@ -713,3 +713,31 @@ def test_jobs_started_in_the_same_second_get_folders_of_their_own(monkeypatch):
     monkeypatch.setenv("MICROBENCH_JOB", job)
     names.add(run_folder.default_name())
   assert len(names) == 2 and all(n.endswith(("-job0", "-job1")) for n in names)
+
+
+def test_report_sets_a_run_beside_nccl_tests(tmp_path):
+  """`--nccl_tests=all_reduce=LOG`: every point nccl-tests measured too gets its busbw ratio, in the table and in
+  OUT/nccl_tests.md; a row of the log that cannot be read is one line on stderr and the others still count."""
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 4),),
+                           sizes=[1 << 20, 1 << 22], samples=8, sample_noise=0.01)
+  run = write_sweep(tmp_path / "A", recs)
+  theirs = recs[1]["busbw_gbps"] * 2  # nccl-tests twice as fast at 4M
+  log = tmp_path / "ar.log"
+  log.write_text("#       size         count    type   redop     time   algbw   busbw  error     time   algbw   busbw"
+                 "  error\n"
+                 "     1048576        262144   float     sum    oops\n"
+                 f"     4194304       1048576   float     sum    50.00   83.89  {theirs:.2f}  0e+00    50.00   83.89"
+                 f"  {theirs:.2f}  0e+00\n")
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.report", run, f"--out={tmp_path / 'rep'}",
+                      f"--nccl_tests=all_reduce={log}"], capture_output=True, text=True, timeout=120,
+                     env=clean_env(), cwd=ROOT)
+  assert r.returncode == 0, r.stderr
+  assert f"{log}:2: 5 fields where the header has 12" in r.stderr and "Traceback" not in r.stderr
+  row = next(line for line in r.stdout.splitlines() if line.startswith("| all_reduce | float32 | 4194304 |"))
+  assert "| 0.500 |" in row and "JAX slower" in row
+  assert row in (tmp_path / "rep" / "nccl_tests.md").read_text()
+  bad = subprocess.run([sys.executable, "-m", "microbench.cli.report", run, f"--out={tmp_path / 'rep2'}",
+                        f"--nccl_tests={tmp_path / 'none.log'}"], capture_output=True, text=True, timeout=120,
+                       env=clean_env(), cwd=ROOT)
+  lines = bad.stderr.strip().splitlines()
+  assert bad.returncode == 2 and len(lines) == 1 and "cannot read nccl-tests log" in lines[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 from absl import app, flags
 
@@ -27,6 +28,9 @@ flags.DEFINE_list("shapes", [], "With --fabric: group shapes RANKS_PER_DOMAINxDO
 flags.DEFINE_list("fit_from", [], "With --fabric: run folders whose alpha-beta fits replace the rate and hop"
                   " latency of the levels their scopes measured (model.json and meta.json), e.g. a 2-node sweep"
                   " inside a rack (the NICs) and one across two racks (the uplinks).")
+flags.DEFINE_list("nccl_tests", [], "nccl-tests logs to set beside the run(s), [COLLECTIVE=]PATH each (COLLECTIVE"
+                  " where the log does not name its binary, e.g. all_reduce=ar.log): the busbw ratio per size,"
+                  " written to OUT/nccl_tests.md.")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
@@ -128,7 +132,31 @@ def main(argv: list[str]) -> int:
   if predict:
     from microbench.report import tables  # pylint: disable=g-import-not-at-top
     print(tables.markdown(build.PREDICT_HEADERS, report.predictions))
+  if FLAGS.nccl_tests:
+    _beside_nccl_tests([r for sweep in report.sweeps for r in sweep.records], out)
   return 0
+
+
+def _beside_nccl_tests(records: list, out: str) -> None:
+  """The sweep's points beside nccl-tests' rows of the same collective, dtype and size; a row of a log that
+  cannot be read is one line on stderr, and the rest of the log is used."""
+  from microbench.report import nccl_tests, tables  # pylint: disable=g-import-not-at-top
+  theirs = []
+  for spec in FLAGS.nccl_tests:
+    name, eq, path = spec.partition("=")
+    try:
+      got, errors = nccl_tests.read_file(path if eq else name, name if eq else None)
+    except nccl_tests.NcclTestsError as e:
+      raise app.UsageError(str(e)) from None
+    for line in errors:
+      print(f"microbench-report: {line}", file=sys.stderr)
+    theirs += got
+  rows = nccl_tests.compare(records, theirs)
+  text = tables.markdown(nccl_tests.COMPARE_HEADERS, rows) if rows else (
+      "no point of the run matches a nccl-tests row (same collective, dtype, size and group size)")
+  with open(os.path.join(out, "nccl_tests.md"), "w", encoding="utf-8") as f:
+    f.write("# JAX beside nccl-tests\n\n" + text + "\n")
+  print(text)
 
 
 def run() -> None:

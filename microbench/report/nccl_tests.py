@@ -146,3 +146,42 @@ def read_file(path: str, collective: str | None = None) -> tuple[list[dict[str, 
   if not records and not errors:
     raise NcclTestsError(f"{path}: no nccl-tests result rows (a table under a '#  size  count  type ...' header)")
   return records, errors
+
+
+COMPARE_HEADERS = ("collective", "dtype", "size (B)", "scope", "n", "JAX busbw (GB/s)", "nccl-tests busbw",
+                   "nccl-tests in-place", "JAX / nccl-tests", "95% interval", "verdict")
+
+
+def compare(jax_records: list[dict[str, Any]], nccl_records: list[dict[str, Any]], seed: int = 0,
+            draws: int = 2000) -> list[tuple[Any, ...]]:
+  """One row per JAX point that nccl-tests measured too (same collective, dtype and size; the same group size
+  where the log says how many ranks it had): the busbw ratio JAX / nccl-tests with a 95% interval.
+
+  nccl-tests prints one average per size, so the interval is the JAX side's alone: the median of its samples
+  bootstrapped (each a per-operation time), as busbw; "JAX slower" or "JAX faster" only when the interval
+  excludes 1."""
+  import numpy as np  # pylint: disable=g-import-not-at-top  (the reader above needs none)
+  rng = np.random.default_rng(seed)
+  rows = []
+  for ref in nccl_records:
+    for rec in jax_records:
+      if (rec.get("collective"), rec.get("dtype"), rec.get("bytes")) != (ref["collective"], ref.get("dtype"),
+                                                                        ref["bytes"]):
+        continue
+      if ref.get("ranks") and rec.get("group_size") not in (None, ref["ranks"]):
+        continue
+      jax_busbw, theirs = rec.get("busbw_gbps"), ref.get("busbw_gbps")
+      if not jax_busbw or not theirs:
+        continue
+      lo = hi = None
+      samples = np.asarray(rec.get("samples_us") or [], np.float64)
+      if samples.size >= 2 and (samples > 0).all() and rec.get("time_us"):
+        medians = np.median(samples[rng.integers(0, samples.size, (draws, samples.size))], axis=1)
+        ratio_draws = jax_busbw * rec["time_us"] / medians / theirs  # busbw scales as 1 / time
+        lo, hi = (float(v) for v in np.percentile(ratio_draws, [2.5, 97.5]))
+      verdict = ("unknown (no samples)" if lo is None else "JAX slower" if hi < 1 else "JAX faster" if lo > 1
+                 else "same within noise")
+      rows.append((ref["collective"], ref.get("dtype"), ref["bytes"], rec.get("scope"), rec.get("group_size"),
+                   jax_busbw, theirs, ref.get("inplace_busbw_gbps"), jax_busbw / theirs,
+                   "-" if lo is None else f"[{lo:.3f}, {hi:.3f}]", verdict))
+  return rows
