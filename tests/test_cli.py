@@ -121,6 +121,7 @@ def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
     (["--target=h100", "--profile_points=1"], "--profile_points does nothing with --target"),
     (["--target=h100", "--samples=5", "--warmup=2"], "--warmup, --samples do nothing with --target"),
     (["--target=h100", "--sample_ms=5", "--hang_timeout=9"], "--sample_ms, --hang_timeout do nothing"),
+    (["--target=h100", "--nccl_debug"], "--nccl_debug does nothing with --target"),
 ])
 def test_bad_input_is_one_clear_line(args, message, tmp_path):
   # A device count the user chose (here 8) is respected, so a topology of 12 devices can't match it.
@@ -357,3 +358,17 @@ def test_a_point_that_fails_to_run_fails_the_run(tmp_path, parsed_flags, monkeyp
   monkeypatch.setattr(program, "time_pairs", real)
   assert bench_run.execute(cfg, None, str(tmp_path), resumed=True, nodes_per_rack=None,
                            flag_values={"distributed": False}) == 0
+
+
+def test_nccl_debug_captures_into_the_run_folder_and_says_when_there_is_nothing(tmp_path):
+  """On CPU no NCCL runs: the capture folder exists, meta.json's `nccl` says no INFO lines were written and
+  why, and the sweep is unchanged."""
+  out = tmp_path / "run"
+  r = run_cli(["--nccl_debug", "--collectives=all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=1K",
+               "--samples=2", "--iters=6", f"--outdir={out}"], timeout=120)
+  assert r.returncode == 0, r.stderr
+  meta = json.loads((out / "meta.json").read_text())
+  assert (out / "nccl").is_dir() and meta["nccl"]["info_lines"] == 0 and meta["nccl"]["files"] == []
+  assert meta["nccl"]["warnings"] == ["NCCL wrote no INFO lines: no NCCL communicator ran (a CPU run), or"
+                                      " NCCL_DEBUG_FILE points elsewhere"]
+  assert "# NCCL: NCCL wrote no INFO lines" in r.stdout

@@ -3,6 +3,9 @@ show; the facts are NCCL's, the wording of each line is the version's."""
 
 from __future__ import annotations
 
+import io
+import os
+
 from microbench.report import nccl_log
 
 IB_2_21 = """\
@@ -67,3 +70,33 @@ def test_a_log_without_nccl_lines_gives_empty_facts_and_says_how_to_get_them():
   f = nccl_log.parse("srun: error: node01: task 0: Exited with exit code 1\nrandom text\n")
   assert f["info_lines"] == 0 and f["networks"] == [] and f["choices"] == []
   assert nccl_log.warnings(f, expect_ib=True) == ["no NCCL INFO lines: set NCCL_DEBUG=INFO to record what NCCL did"]
+
+
+def test_capture_sets_only_what_the_user_did_not(tmp_path):
+  from microbench.cluster import nccl_debug  # pylint: disable=g-import-not-at-top
+  env = {"NCCL_DEBUG_SUBSYS": "INIT"}
+  assert not nccl_debug.wanted(False, env) and nccl_debug.wanted(True, env)
+  folder = nccl_debug.enable(str(tmp_path / "run"), env)
+  assert env == {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT", "NCCL_DEBUG_FILE": f"{folder}/%h.%p.log"}
+  assert os.path.isdir(folder) and nccl_debug.wanted(False, {"NCCL_DEBUG": "WARN"})
+
+
+def test_a_runs_captured_logs_become_its_nccl_facts_and_warnings(tmp_path):
+  """Two processes' logs, on a host whose InfiniBand port is active, that used sockets: meta's `nccl` names
+  the network, both files, and the warning is printed."""
+  from microbench.bench import run as bench_run  # pylint: disable=g-import-not-at-top
+  from microbench.output import run_folder  # pylint: disable=g-import-not-at-top
+  (tmp_path / "nccl").mkdir()
+  (tmp_path / "nccl" / "gpu-3.4101.log").write_text(SOCKETS_2_18)
+  (tmp_path / "nccl" / "gpu-3.4102.log").write_text(SOCKETS_2_18.replace("4101", "4102"))
+  printed = io.StringIO()
+  out = run_folder.RunOutputs(str(tmp_path / "out"), stream=printed)
+  meta = {"environment": {"nics": [{"device": "mlx5_0", "port": "1", "link_layer": "InfiniBand",
+                                    "state": "4: ACTIVE", "rate": "400 Gb/sec (4X NDR)"}]}}
+  facts = bench_run._nccl_facts(str(tmp_path), meta, out)  # pylint: disable=protected-access
+  out.close()
+  assert facts["files"] == ["gpu-3.4101.log", "gpu-3.4102.log"] and facts["networks"] == ["Socket"]
+  assert facts["warnings"] and "# NCCL: NCCL used sockets" in printed.getvalue()
+  meta["environment"]["nics"][0]["state"] = "1: DOWN"  # a port that is down is not an expectation
+  assert bench_run._nccl_facts(str(tmp_path), meta, run_folder.RunOutputs(  # pylint: disable=protected-access
+      str(tmp_path / "out2"), stream=io.StringIO()))["warnings"] == []

@@ -15,12 +15,12 @@ from absl import app
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
-from microbench.cluster import distributed, environment, machine
+from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table, train_log
-from microbench.report import alpha_beta
+from microbench.report import alpha_beta, nccl_log
 from microbench.target import compile_only
 
 # Per device a point holds the known inputs, the check's output, then the loop carry and the body's
@@ -73,6 +73,18 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
+def _nccl_facts(outdir: str, meta: dict[str, Any], out: run_folder.RunOutputs) -> dict[str, Any]:
+  """What NCCL did, from the captured logs, with a warning line for each thing a cluster user must know."""
+  text, files = nccl_debug.read_logs(outdir)
+  facts = nccl_log.parse(text)
+  nics = (meta.get("environment") or {}).get("nics") or []
+  expect_ib = any(n.get("link_layer") == "InfiniBand" and "ACTIVE" in (n.get("state") or "") for n in nics)
+  facts.update(files=files, warnings=nccl_log.warnings(facts, expect_ib, captured=True))
+  for line in facts["warnings"]:
+    out.print(f"# NCCL: {line}")
+  return facts
+
+
 def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
             nodes_per_rack: int | None, flag_values: dict[str, Any],
             cluster: distributed.Settings = distributed.Settings()) -> int:
@@ -83,9 +95,13 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     except (TopologyError, compile_only.TargetError, compile_only.KindError) as e:
       raise app.UsageError(str(e)) from None
     cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes)
+    capture_nccl = False  # nothing runs, no communicator starts
     emulated, hosts = False, [f"compile-only-host-{i}" for i in range(target.hosts)]
     import jax  # pylint: disable=g-import-not-at-top
   else:
+    capture_nccl = nccl_debug.wanted(cfg.nccl_debug)
+    if capture_nccl:  # before any communicator starts: NCCL reads its variables once
+      nccl_debug.enable(outdir)
     distributed.initialize(cluster)
     emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
     import jax  # pylint: disable=g-import-not-at-top
@@ -176,6 +192,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.print(f"\n# stopped: {e}\n# every point measured before it is in results.jsonl; --keep_going measures"
               f" the rest past failed points, --resume={outdir} tries the failed point again")
   finally:
+    if not target and capture_nccl and out.enabled:
+      meta["nccl"] = _nccl_facts(outdir, meta, out)
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
     out.close()

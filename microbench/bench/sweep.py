@@ -62,6 +62,7 @@ class SweepConfig:
   profile_points: tuple[int, ...] = ()  # --profile_points: point numbers (as printed, from 1) to trace
   profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
   keep_going: bool = False  # --keep_going: a failed point is recorded and the sweep goes on (else it stops)
+  nccl_debug: bool = False  # --nccl_debug: NCCL's INFO log of every process into the run folder, read into meta
 
   @property
   def latency_mode(self) -> bool:

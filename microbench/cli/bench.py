@@ -45,6 +45,10 @@ flags.DEFINE_float("hang_timeout", 120.0, "Watchdog floor in seconds: a device s
 flags.DEFINE_bool("keep_going", False, "A point whose program fails to compile or run is recorded and the sweep"
                   " goes on to the other points (make -k); the run still exits 1 and lists each failed point."
                   " Without it the sweep stops at the first failed point (exit 1), keeping every point before it.")
+flags.DEFINE_bool("nccl_debug", False, "Capture NCCL's INFO log of every process into RUN/nccl/ (NCCL_DEBUG=INFO,"
+                  " subsystems INIT,NET,GRAPH,TUNING; what you set yourself is kept) and put what NCCL did in"
+                  " meta.json's `nccl`: version, network, NICs, channels, transports, algorithm per collective."
+                  " Also on when NCCL_DEBUG is set.")
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
@@ -67,7 +71,7 @@ flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RA
                     " runs, like a collective that never returns.")
 
 SWEEP_FLAGS = ("collectives", "op", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "keep_going", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
+               "warmup", "samples", "check", "keep_going", "nccl_debug", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
 
 
 def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -109,7 +113,7 @@ def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] 
 
 # What only a run does (processes, fault injection, traces of timed calls): refused with --target.
 RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "inject_delay", "inject_crash", "inject_hang", "profile_points", "warmup",
-                  "samples", "sample_ms", "hang_timeout")  # timing and fault flags: a compile-only run times nothing
+                  "samples", "sample_ms", "hang_timeout", "nccl_debug")  # timing and fault flags: a compile-only run times nothing
 
 
 def config_from_flags() -> sweep.SweepConfig:
@@ -169,7 +173,7 @@ def config_from_flags() -> sweep.SweepConfig:
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks, fabric=FLAGS.fabric,
       inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile,
-      keep_going=FLAGS.keep_going)
+      keep_going=FLAGS.keep_going, nccl_debug=FLAGS.nccl_debug)
 
 
 def main(argv: list[str]) -> int:

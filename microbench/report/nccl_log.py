@@ -69,11 +69,13 @@ def parse(text: str) -> dict[str, Any]:
   return {k: sorted(v) if isinstance(v, set) else v for k, v in facts.items()}
 
 
-def warnings(facts: dict[str, Any], expect_ib: bool) -> list[str]:
-  """One line per thing a cluster user must know: sockets where InfiniBand was expected, no NCCL lines."""
+def warnings(facts: dict[str, Any], expect_ib: bool, captured: bool = False) -> list[str]:
+  """One line per thing a cluster user must know: sockets where InfiniBand was expected, no NCCL lines
+  (`captured`: the run set NCCL's variables itself, so none means no communicator ran)."""
   out = []
   if not facts["info_lines"]:
-    out.append("no NCCL INFO lines: set NCCL_DEBUG=INFO to record what NCCL did")
+    out.append("NCCL wrote no INFO lines: no NCCL communicator ran (a CPU run), or NCCL_DEBUG_FILE points"
+               " elsewhere" if captured else "no NCCL INFO lines: set NCCL_DEBUG=INFO to record what NCCL did")
     return out
   nets = {n.lower() for n in facts["networks"]}
   if expect_ib and nets and nets <= {"socket"}:
