@@ -21,6 +21,7 @@ import sys
 from absl import app, flags
 
 from microbench.cli import cluster_flags, runner
+from microbench.study import workloads  # JAX-free: the GPU names for --gpu's help
 
 FLAGS = flags.FLAGS
 NAME = "microbench-study"
@@ -30,8 +31,8 @@ MODES = ("plan", "predict", "place", "run", "report", "proxy", "schedule", "gpcn
 flags.DEFINE_string("strategy", "dp", "proxy/schedule: dp, fsdp, dp+pp, dp+pp+tp or dp+pp+ep.")
 flags.DEFINE_string("model", None, "proxy/schedule: the proxy's model shape (default: the study's for the "
                     "strategy: vit-h, llama3-8b, minerva-7b, llama3-70b, mixtral-8x7b).")
-flags.DEFINE_string("gpu", "A100", "GPU whose roofline times the emulated compute: A100, H100, H200, GH200, "
-                    "B200, B300, GB300, MI250X.")
+flags.DEFINE_string("gpu", "A100", "GPU whose roofline times the emulated compute: "
+                    f"{', '.join(workloads.GPUS)} (the GPU kinds' peaks; MI250X and GB300 as the seed study).")
 flags.DEFINE_integer("gpus", None, "proxy/schedule: ranks in the job (proxy default: the process count). plan: "
                      "the design's GPUs (the artifact's -G; default: the machine's; spare nodes are room for the "
                      "placer).", lower_bound=1)
