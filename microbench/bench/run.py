@@ -192,7 +192,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     out.print(f"\n# stopped: {e}\n# every point measured before it is in results.jsonl; --keep_going measures"
               f" the rest past failed points, --resume={outdir} tries the failed point again")
   finally:
-    if not target and capture_nccl and out.enabled:
+    if capture_nccl and out.enabled:
       meta["nccl"] = _nccl_facts(outdir, meta, out)
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)

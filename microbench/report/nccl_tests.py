@@ -16,6 +16,10 @@ import dataclasses
 import re
 from typing import Any
 
+import numpy as np
+
+from microbench.report import tables
+
 # nccl-tests binary -> this project's collective name (the others keep their binary's stem).
 BINARIES = {"all_reduce_perf": "all_reduce", "all_gather_perf": "all_gather", "reduce_scatter_perf": "reduce_scatter",
             "alltoall_perf": "all_to_all", "broadcast_perf": "broadcast", "sendrecv_perf": "ppermute",
@@ -36,9 +40,7 @@ class NcclTestsError(ValueError):
 @dataclasses.dataclass
 class _Run:
   index: int
-  line: int
   collective: str | None
-  settings: dict[str, str] = dataclasses.field(default_factory=dict)
   ranks: int = 0
   devices: list[str] = dataclasses.field(default_factory=list)
   columns: list[str] | None = None
@@ -91,17 +93,15 @@ def read(text: str, collective: str | None = None, source: str = "log") -> tuple
         if run is not None and not run.columns:
           run.collective = pending
       elif line.startswith("# nThread"):
-        tokens = line.lstrip("#").split()
-        settings = {k.rstrip(":"): v for k, v in zip(tokens[::2], tokens[1::2])}
-        run, runs = _Run(runs, no, pending, settings), runs + 1
+        run, runs = _Run(runs, pending), runs + 1
       elif run is not None and re.match(r"#\s+Rank\s+\d+", line):
         run.ranks += 1
         device = re.search(r"\[[^\]]*\]\s+(.*)$", line)
         if device:
           run.devices.append(device.group(1).strip())
-      elif line.startswith("#") and " size " in f" {line.lstrip('#')} " and " count " in f" {line.lstrip('#')} ":
+      elif line.startswith("#") and {"size", "count"} <= set(line.lstrip("#").split()):
         if run is None or run.columns:  # a table without its preamble (a log cut at the top, or -R repeats)
-          run, runs = _Run(runs, no, pending), runs + 1
+          run, runs = _Run(runs, pending), runs + 1
         run.columns = _columns(line.lstrip("#").split(), where)
       else:
         fields = line.split()
@@ -153,14 +153,13 @@ COMPARE_HEADERS = ("collective", "dtype", "size (B)", "scope", "n", "JAX busbw (
 
 
 def compare(jax_records: list[dict[str, Any]], nccl_records: list[dict[str, Any]], seed: int = 0,
-            draws: int = 2000) -> list[tuple[Any, ...]]:
+            draws: int = tables.BOOTSTRAP) -> list[tuple[Any, ...]]:
   """One row per JAX point that nccl-tests measured too (same collective, dtype and size; the same group size
   where the log says how many ranks it had): the busbw ratio JAX / nccl-tests with a 95% interval.
 
   nccl-tests prints one average per size, so the interval is the JAX side's alone: the median of its samples
   bootstrapped (each a per-operation time), as busbw; "JAX slower" or "JAX faster" only when the interval
   excludes 1."""
-  import numpy as np  # pylint: disable=g-import-not-at-top  (the reader above needs none)
   rng = np.random.default_rng(seed)
   rows = []
   for ref in nccl_records:
@@ -178,7 +177,7 @@ def compare(jax_records: list[dict[str, Any]], nccl_records: list[dict[str, Any]
       if samples.size >= 2 and (samples > 0).all() and rec.get("time_us"):
         medians = np.median(samples[rng.integers(0, samples.size, (draws, samples.size))], axis=1)
         ratio_draws = jax_busbw * rec["time_us"] / medians / theirs  # busbw scales as 1 / time
-        lo, hi = (float(v) for v in np.percentile(ratio_draws, [2.5, 97.5]))
+        lo, hi = tables.interval(ratio_draws)
       verdict = ("unknown (no samples)" if lo is None else "JAX slower" if hi < 1 else "JAX faster" if lo > 1
                  else "same within noise")
       rows.append((ref["collective"], ref.get("dtype"), ref["bytes"], rec.get("scope"), rec.get("group_size"),

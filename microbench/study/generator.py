@@ -11,7 +11,8 @@ With a topology (more than one L1 switch) the flat experiments are built uncappe
 placement layer (the artifact's --use-topology); on one switch (the DGX) the cap applies to the flat list
 and every job is intra-l1. Every experiment then gets concrete nodes from the JobPlacer port
 (`placement.place_jobs`: strict, relaxed, best effort), on the machine's nodes, which may be a real
-allocation's. Deliberate differences are listed in docs/study.md ("What differs from the original study's runs, and why").
+allocation's. Deliberate differences are listed in docs/study.md ("What differs from the original study's
+runs, and why").
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ to inter-group, intra-group-same-l1-N to inter-group-same-l1-N), then best effor
 -> inter-group and same-l1-N -> inter-group without blocks). Beyond JobPlacer, a last tier ("any-nodes")
 gives a job that still fails any free nodes, so an experiment the artifact designed is not lost when the
 nodes left in a nearly full machine lie in one group (JobPlacer places inter-group jobs last, with no
-fallback: on Leonardo's 510 nodes 7 of the 12 mixes of docs/study.md's Leonardo plan fail its best effort so). Each job records the
-class it asked for, the class it got, and the tier and fallback that gave it. Random draws come from
+fallback: on Leonardo's 510 nodes 7 of the 12 mixes of docs/study.md's Leonardo plan fail its best effort
+so). Each job records the class it asked for, the class it got, and the tier and fallback that gave it. Random draws come from
 Python's generator, not Rust's SmallRng, so node lists differ from JobPlacer's for the same seed; the rules
 are the same.
 

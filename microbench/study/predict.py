@@ -28,7 +28,6 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
-
 from microbench.fabric import conventions
 from microbench.fabric import description as fd
 from microbench.fabric import jobs as fj
