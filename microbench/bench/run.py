@@ -75,11 +75,12 @@ def _raise_interrupt(signum, frame):
 
 def _nccl_facts(outdir: str, meta: dict[str, Any], out: run_folder.RunOutputs) -> dict[str, Any]:
   """What NCCL did, from the captured logs, with a warning line for each thing a cluster user must know."""
-  text, files = nccl_debug.read_logs(outdir)
-  facts = nccl_log.parse(text)
-  nics = (meta.get("environment") or {}).get("nics") or []
-  expect_ib = any(n.get("link_layer") == "InfiniBand" and "ACTIVE" in (n.get("state") or "") for n in nics)
-  facts.update(files=files, warnings=nccl_log.warnings(facts, expect_ib, captured=True))
+  logs = nccl_debug.read_logs(outdir)
+  facts = nccl_log.parse(logs)
+  env = meta.get("environment") or {}
+  variables = {k: v for k, v in (env.get("variables") or {}).items() if k.startswith("NCCL_")}
+  facts.update(files=sorted(logs), warnings=nccl_log.warnings(
+      facts, nccl_log.expected_network(env), captured=True, variables=variables))
   for line in facts["warnings"]:
     out.print(f"# NCCL: {line}")
   return facts

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from collections.abc import MutableMapping
 
 LOG_DIR = "nccl"  # under the run folder: one file per host and process
@@ -27,14 +28,14 @@ def enable(outdir: str, environ: MutableMapping[str, str] = os.environ) -> str:
   return folder
 
 
-def read_logs(outdir: str) -> tuple[str, list[str]]:
-  """The text of every captured log (those this host can see) and their names."""
-  paths = sorted(glob.glob(os.path.join(outdir, LOG_DIR, "*")))
-  texts = []
-  for p in paths:
+def read_logs(outdir: str) -> dict[str, str]:
+  """{file name: text} of every captured log this host can see, kept apart so that a file's cut last line is
+  told from a whole one (NCCL ends every line); bytes that are not UTF-8 become U+FFFD, never an error."""
+  out = {}
+  for p in sorted(glob.glob(os.path.join(outdir, LOG_DIR, "*"))):
     try:
       with open(p, encoding="utf-8", errors="replace") as f:
-        texts.append(f.read())
-    except OSError:
-      continue
-  return "\n".join(texts), [os.path.basename(p) for p in paths]
+        out[os.path.basename(p)] = f.read()
+    except OSError as e:  # a file that went away or cannot be read: named, the others still read
+      print(f"# NCCL: {os.path.basename(p)}: {e.strerror or e}", file=sys.stderr)
+  return out
