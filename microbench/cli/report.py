@@ -28,9 +28,10 @@ flags.DEFINE_list("shapes", [], "With --fabric: group shapes RANKS_PER_DOMAINxDO
 flags.DEFINE_list("fit_from", [], "With --fabric: run folders whose alpha-beta fits replace the rate and hop"
                   " latency of the levels their scopes measured (model.json and meta.json), e.g. a 2-node sweep"
                   " inside a rack (the NICs) and one across two racks (the uplinks).")
-flags.DEFINE_list("nccl_tests", [], "nccl-tests logs to set beside the run(s), [COLLECTIVE=]PATH each (COLLECTIVE"
-                  " where the log does not name its binary, e.g. all_reduce=ar.log): the busbw ratio per size,"
-                  " written to OUT/nccl_tests.md.")
+flags.DEFINE_list("nccl_tests", [], "nccl-tests output to set beside the run(s), [COLLECTIVE=]PATH each: its text"
+                  " log or its -J JSON file (COLLECTIVE where it does not name its binary, e.g. all_reduce=ar.log):"
+                  " the busbw ratio per size with its interval, written to OUT/nccl_tests.md, OUT/nccl_tests.png"
+                  " and the TensorBoard run OUT/nccl-tests.")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
@@ -121,6 +122,7 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(str(e)) from None
   out = FLAGS.out or (os.path.join(found[0], "report") if len(found) == 1 else
                       "report_" + datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S"))
+  theirs = _read_nccl_tests() if FLAGS.nccl_tests else []  # before the report: an unreadable log fails first
   try:
     report = build.build(found, out, predict, sides=sides)
   except runs.RunError as e:
@@ -133,14 +135,26 @@ def main(argv: list[str]) -> int:
     from microbench.report import tables  # pylint: disable=g-import-not-at-top
     print(tables.markdown(build.PREDICT_HEADERS, report.predictions))
   if FLAGS.nccl_tests:
-    _beside_nccl_tests([r for sweep in report.sweeps for r in sweep.records], out)
+    _beside_nccl_tests([r for sweep in report.sweeps for r in sweep.records], theirs, out)
+  _beside_nccl_log(report.sweeps, out)
   return 0
 
 
-def _beside_nccl_tests(records: list, out: str) -> None:
-  """The sweep's points beside nccl-tests' rows of the same collective, dtype and size; a row of a log that
-  cannot be read is one line on stderr, and the rest of the log is used."""
-  from microbench.report import nccl_tests, tables  # pylint: disable=g-import-not-at-top
+def _beside_nccl_log(sweeps: list, out: str) -> None:
+  """OUT/nccl.md: each point beside the algorithm/protocol NCCL chose for it, for runs that recorded NCCL's log
+  (meta.json's `nccl`, from --nccl_debug); nothing for runs without one."""
+  from microbench.report import nccl_log  # pylint: disable=g-import-not-at-top
+  text = nccl_log.beside_markdown([(s.label, s.records, s.meta.get("nccl")) for s in sweeps])
+  if text:
+    with open(os.path.join(out, "nccl.md"), "w", encoding="utf-8") as f:
+      f.write(text)
+    print(text)
+
+
+def _read_nccl_tests() -> list:
+  """Every --nccl_tests log's records; a row (or JSON result) that cannot be read is one line on stderr and the
+  rest of the log is used; a log that cannot be opened or holds nothing is one line, exit 2."""
+  from microbench.report import nccl_tests  # pylint: disable=g-import-not-at-top
   theirs = []
   for spec in FLAGS.nccl_tests:
     name, eq, path = spec.partition("=")
@@ -151,12 +165,25 @@ def _beside_nccl_tests(records: list, out: str) -> None:
     for line in errors:
       print(f"microbench-report: {line}", file=sys.stderr)
     theirs += got
-  rows = nccl_tests.compare(records, theirs)
+  return theirs
+
+
+def _beside_nccl_tests(records: list, theirs: list, out: str) -> None:
+  """The sweep's points beside nccl-tests' rows of the same collective, dtype and size: the table, the figure
+  and the TensorBoard run."""
+  from microbench.report import nccl_tests, nccl_tests_views, plots, tables  # pylint: disable=g-import-not-at-top
+  points = nccl_tests.matches(records, theirs)
+  rows = nccl_tests.compare_rows(points)
   text = tables.markdown(nccl_tests.COMPARE_HEADERS, rows) if rows else (
       "no point of the run matches a nccl-tests row (same collective, dtype, size and group size)")
   with open(os.path.join(out, "nccl_tests.md"), "w", encoding="utf-8") as f:
     f.write("# JAX beside nccl-tests\n\n" + text + "\n")
   print(text)
+  if points:
+    fig = nccl_tests_views.figure(points)
+    plots.save(fig, os.path.join(out, nccl_tests_views.FIGURE))
+    folder = nccl_tests_views.write_tensorboard(out, points, text, fig)
+    print(f"microbench-report: wrote {nccl_tests_views.FIGURE} and the TensorBoard run {folder}")
 
 
 def run() -> None:
