@@ -6,10 +6,12 @@ Importing this module defines them; `settings()` turns them into microbench.clus
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from absl import app, flags
 
+from microbench.cluster import binding
 from microbench.cluster.distributed import Settings
 
 FLAGS = flags.FLAGS
@@ -18,6 +20,11 @@ flags.DEFINE_bool("distributed", False, "Initialise jax.distributed (auto-detect
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0's coordinator.")
 flags.DEFINE_integer("num_processes", None, "Number of processes in the job.", lower_bound=1)
 flags.DEFINE_integer("process_id", None, "This process's index.", lower_bound=0)
+flags.DEFINE_string("local_device_ids", None,
+                    "GPUs this process drives, as indices among the GPUs it sees (CUDA_VISIBLE_DEVICES renumbers"
+                    " them from 0), e.g. 0,1,2,3. Default: from the launcher (one task per GPU: GPU numbered by the"
+                    " local rank; a task SLURM bound to its own GPUs, or one task per node: all it sees); see"
+                    " docs/clusters.md#gpu-binding.")
 flags.DEFINE_integer("nodes_per_rack", None,
                      "Group this many nodes (hosts) into one rack (NVLink domain). Default: one rack.",
                      lower_bound=1)
@@ -32,7 +39,7 @@ flags.DEFINE_integer("collective_timeout", 45,
 
 
 # Flags of a job of several processes: with --target no process runs, so none of them does anything.
-JOB_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id")
+JOB_FLAGS = ("distributed", "coordinator_address", "num_processes", "process_id", "local_device_ids")
 
 
 def refuse_with_target(names: Sequence[str]) -> None:
@@ -48,8 +55,14 @@ def refuse_with_target(names: Sequence[str]) -> None:
 
 
 def settings() -> Settings:
-  """The parsed flags as distributed-start-up settings."""
+  """The parsed flags as distributed-start-up settings, with this process's GPU binding decided (a bad
+  --local_device_ids, or a launcher binding no rule can map, is one line here rather than a JAX error later)."""
+  try:
+    ids = binding.parse_ids(FLAGS.local_device_ids) if FLAGS.local_device_ids is not None else None
+    bound = None if FLAGS.target else binding.decide(ids, FLAGS.distributed, os.environ)
+  except binding.BindingError as e:
+    raise app.UsageError(str(e)) from None
   return Settings(enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
                   num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
                   heartbeat_timeout=FLAGS.heartbeat_timeout, init_timeout=FLAGS.init_timeout,
-                  collective_timeout=FLAGS.collective_timeout)
+                  collective_timeout=FLAGS.collective_timeout, local_device_ids=ids, binding=bound)

@@ -1,6 +1,7 @@
 """Multi-process runs: `jax.distributed` start-up, each process's host, and whether an error means a peer died.
 
-With `enabled` and nothing else, JAX auto-detects SLURM and Open MPI; the explicit settings override.
+With `enabled` and nothing else, JAX auto-detects SLURM and Open MPI; the explicit settings override. Which
+GPUs a process drives is decided here, not by JAX's local-rank rule (microbench.cluster.binding says why).
 Timeouts are short so a dead peer ends the job in seconds instead of hanging it.
 """
 
@@ -12,6 +13,8 @@ import os
 import socket
 
 import numpy as np
+
+from microbench.cluster import binding as gpu_binding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +29,8 @@ class Settings:
   heartbeat_timeout: int = 10
   init_timeout: int = 120
   collective_timeout: int = 45
+  local_device_ids: tuple[int, ...] | None = None  # --local_device_ids; None: decided from the launcher
+  binding: gpu_binding.Binding | None = None  # decided already (the CLI does, to refuse a bad one in one line)
 
 
 HOSTNAME_ENV = "MICROBENCH_HOSTNAME"  # lets tests and the testbed present processes as separate hosts
@@ -35,10 +40,19 @@ def hostname() -> str:
   return os.environ.get(HOSTNAME_ENV) or socket.gethostname()
 
 
-def initialize(settings: Settings) -> None:
-  """Starts jax.distributed when `settings.enabled`; a no-op otherwise. Call before any JAX use."""
+def initialize(settings: Settings) -> gpu_binding.Binding:
+  """Starts jax.distributed when `settings.enabled`, with the GPUs the binding rules give this process (without
+  it only explicit --local_device_ids restrict them). Call before any JAX use; BindingError where no binding is
+  right."""
+  bound = settings.binding or gpu_binding.decide(settings.local_device_ids, settings.enabled, os.environ)
+  gpu_binding.remember(bound)
   if not settings.enabled:
-    return
+    if bound.local_device_ids is not None:  # what jax.distributed.initialize would set, read when the backend starts
+      import jax  # pylint: disable=g-import-not-at-top
+      ids = ",".join(map(str, bound.local_device_ids))
+      jax.config.update("jax_cuda_visible_devices", ids)
+      jax.config.update("jax_rocm_visible_devices", ids)
+    return bound
   xla_flags = os.environ.get("XLA_FLAGS", "")
   if "xla_cpu_collective_timeout_seconds" not in xla_flags:  # read when the backend starts, i.e. later
     os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_cpu_collective_timeout_seconds={settings.collective_timeout}".strip()
@@ -49,10 +63,12 @@ def initialize(settings: Settings) -> None:
       coordinator_address=settings.coordinator_address,
       num_processes=settings.num_processes,
       process_id=settings.process_id,
+      local_device_ids=bound.jax_argument(),
       initialization_timeout=settings.init_timeout,
       heartbeat_timeout_seconds=settings.heartbeat_timeout,
       shutdown_timeout_seconds=max(5, settings.heartbeat_timeout),
   )
+  return bound
 
 
 @functools.cache

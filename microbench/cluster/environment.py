@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from microbench.cluster import launch
+from microbench.cluster import binding, launch
 
 ENV_PREFIXES = ("NCCL_", "JAX_", "TF_CPP_", "XLA_CLIENT_", "XLA_PYTHON_CLIENT_")  # the last two: device memory
 ENV_NAMES = ("XLA_FLAGS", "CUDA_VISIBLE_DEVICES")
@@ -139,10 +139,18 @@ def devices() -> list[dict[str, Any]]:
     k = kinds.setdefault(d.device_kind, {"kind": d.device_kind, "platform": d.platform, "count": 0,
                                          "memory_bytes": None})
     k["count"] += 1
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top  # imports JAX and the target layer
   for d in jax.local_devices():
     if kinds[d.device_kind]["memory_bytes"] is None:
       kinds[d.device_kind]["memory_bytes"] = machine.device_memory(d)
   return list(kinds.values())
+
+
+def gpu_binding() -> dict[str, Any] | None:
+  """Which GPUs this process was given and by which rule (microbench.cluster.binding), with the launcher's
+  variables it read; None when nothing decided one (a library caller that never ran distributed.initialize)."""
+  bound = binding.current()
+  return bound.record() if bound else None
 
 
 def capture(hosts: list[str] | None = None, gpu: bool | None = None) -> dict[str, Any]:
@@ -160,6 +168,7 @@ def capture(hosts: list[str] | None = None, gpu: bool | None = None) -> dict[str
       "devices": _safe(devices),
       "hosts": sorted(set(hosts)) if hosts else None,
       "nics": _safe(nics),
+      "gpu_binding": _safe(gpu_binding),
   }
 
 
@@ -176,6 +185,11 @@ def header(env: dict[str, Any]) -> list[str]:
   if g:
     lines.append(f"# NVIDIA driver {g.get('nvidia_driver')}, CUDA driver API {g.get('cuda_driver_api')},"
                  f" CUDA runtime {g.get('cuda_runtime')}, cuDNN {g.get('cudnn')}, NCCL {g.get('nccl')}")
+  bound = env.get("gpu_binding")
+  if bound and bound.get("rule") not in ("single_process", "no_launcher"):
+    ids = bound.get("local_device_ids")
+    lines.append(f"# GPU binding (process 0): {'all it sees' if ids is None else ','.join(map(str, ids))}"
+                 f" by rule {bound.get('rule')}: {bound.get('reason')}")
   variables_set = env.get("variables") or {}
   lines.append("# " + ("; ".join(f"{k}={v}" for k, v in variables_set.items()) if variables_set
                        else "no XLA_FLAGS, NCCL_*, JAX_* or TF_CPP_* variables set"))
