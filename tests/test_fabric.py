@@ -357,3 +357,36 @@ def test_study_links_latency_is_ring_steps_times_the_crossed_levels_hop():
   assert links.latency_s("all_gather", 4, [path], call_us=50.0) == pytest.approx((3 * 100 + 50) * 1e-6)
   assert links.latency_s("permute", 2, [path]) == pytest.approx(100e-6)
   assert links.latency_s("all_reduce", 1, []) == 0.0
+
+
+_ACROSS = {"topology": {"racks": 2, "nodes": 4, "gpus": 1},
+           "scopes": {"scale_out": {"axes": ["rack", "node"]}, "pairs": {"axes": ["rack"]}}}
+
+
+def _check_uplink_from_the_ring(fab, notes):
+  """The 4-rank ring's 0.0089 GB/s, not the 2-rank exchange's 0.0077, though the pair is an all-reduce."""
+  assert fab.leaf_up_gbps == pytest.approx(0.0089)
+  assert any("leaf_up fitted: 0.0089 GB/s from all_gather over scale_out (4 ranks" in n for n in notes), notes
+
+
+def test_the_uplinks_rate_comes_from_a_ring_before_a_pair():
+  """A 2-rank exchange across racks underused the emulated uplinks (82% against the rings' 95%) and its fit
+  predicted every cross-rack ring 17-19% too slow: a ring of any good collective is taken first."""
+  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
+  fits = [_fit("pairs", 2, 0.0077, 900.0), _fit("scale_out", 4, 0.0089, 3000.0, coll="all_gather")]
+  _check_uplink_from_the_ring(*fabric_fit.fit_levels(_two_racks(), fits, _ACROSS))
+  fab, notes = fabric_fit.fit_levels(_two_racks(), fits[:1], _ACROSS)  # only the pair: used, and said
+  assert fab.leaf_up_gbps == pytest.approx(0.0077)
+  assert any("from a 2-rank exchange" in n and "2 or more nodes per rack" in n for n in notes), notes
+  one_rack = {"topology": {"racks": 1, "nodes": 4, "gpus": 1},
+              "scopes": {"pairs": {"axes": ["node"]}, "scale_out": {"axes": ["node"]}}}
+  fab, _ = fabric_fit.fit_levels(_two_racks(), fits, one_rack)
+  assert fab.nic_gbps == pytest.approx(0.0077)  # inside a rack a pair's all-reduce measures the NICs as well
+
+
+def test_the_mutation_fitting_uplinks_from_the_pair_fails(monkeypatch):
+  from microbench.report import fabric_fit  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(fabric_fit, "pair_exchange", lambda f, level: False)
+  fits = [_fit("pairs", 2, 0.0077, 900.0), _fit("scale_out", 4, 0.0089, 3000.0, coll="all_gather")]
+  with pytest.raises(AssertionError):
+    _check_uplink_from_the_ring(*fabric_fit.fit_levels(_two_racks(), fits, _ACROSS))

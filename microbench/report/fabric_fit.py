@@ -7,6 +7,12 @@ node); groups across racks measure the leaf uplinks. The rate is the fit's asymp
 is the slowest link it crosses), the hop latency the fit's alpha over the ring's steps (a hop across racks
 is the uplink level's own, `Fabric.uplink_hop_us`). All-reduce fits are preferred (the collective every
 model is about); a level no series measured keeps its described rate.
+
+An uplink's rate is taken from a ring of 3 or more ranks before a 2-rank group: two ranks are each other's only
+neighbours, so each direction of the path carries one transfer's data and the acknowledgements of the transfer
+coming back. Where those share a queue behind a remote bottleneck (TCP through the emulated cluster's per-pair
+queues) the pair gets 73-83% of the uplink while rings over the same uplinks get 95%, and a fit from the pair
+predicted every cross-rack ring 17-19% too slow (docs/fabric.md, "Fitting the uplinks").
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from microbench.report import alpha_beta
 from microbench.report.alpha_beta import Fit
 
 PREFERRED = ("all_reduce", "all_gather", "reduce_scatter")
+PAIR_SHY = ("leaf_up", "group_up")  # levels whose rate is taken from a ring before a 2-rank exchange
 
 
 def level_of(scope: str, meta: dict) -> str | None:
@@ -49,25 +56,30 @@ def _hop_ok(f: Fit) -> bool:
   return f.latency_poor() is None if f.latency_points else f.poor() is None
 
 
-def _best(fits: Sequence[Fit], meta: dict, ok) -> dict[str, Fit]:
-  chosen: dict[str, Fit] = {}
+def pair_exchange(f: Fit, level: str) -> bool:
+  """A 2-rank group across uplinks: not how a ring loads them (module docstring)."""
+  return level in PAIR_SHY and f.group_size == 2
+
+
+def _best(fits: Sequence[Fit], meta: dict, ok, shun_pairs: bool = False) -> dict[str, Fit]:
+  """Per level the preferred good fit: (with `shun_pairs`) a ring over a 2-rank exchange, then all-reduce over
+  all-gather over reduce-scatter, then the larger group."""
+  chosen: dict[str, tuple[tuple, Fit]] = {}
   for f in fits:
     level = level_of(f.scope, meta)
     if level is None or f.collective not in PREFERRED or not ok(f):
       continue
-    old = chosen.get(level)
-    better = old is None or PREFERRED.index(f.collective) < PREFERRED.index(old.collective) or (
-        f.collective == old.collective and f.group_size > old.group_size)
-    if better:
-      chosen[level] = f
-  return chosen
+    rank = (shun_pairs and pair_exchange(f, level), PREFERRED.index(f.collective), -f.group_size)
+    if level not in chosen or rank < chosen[level][0]:
+      chosen[level] = (rank, f)
+  return {level: f for level, (_, f) in chosen.items()}
 
 
 def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, list[str]]:
   """`fab` with every level a good fit measured replaced by the fit: its rate from a fit whose bandwidth is
   good, its hop latency from one whose latency is good (a two-regime fit can have one and not the other);
   notes say what came from where."""
-  rates, hops = _best(fits, meta, _rate_ok), _best(fits, meta, _hop_ok)
+  rates, hops = _best(fits, meta, _rate_ok, shun_pairs=True), _best(fits, meta, _hop_ok)
   notes = []
   for level in [lv for lv in LEVELS if lv in rates or lv in hops]:
     r, h = rates.get(level), hops.get(level)
@@ -80,6 +92,9 @@ def fit_levels(fab: Fabric, fits: Sequence[Fit], meta: dict) -> tuple[Fabric, li
       src = "" if h is r else f" from {h.collective} over {h.scope} ({h.group_size} ranks, {h.dtype})"
       parts.append(f"hop {h.alpha_per_step_us or 0:.3g} us{src}"
                    + (f" ({h.latency_points} latency-bound sizes)" if h.latency_points else ""))
+    if r and pair_exchange(r, level):
+      parts.append("from a 2-rank exchange, which can underuse an uplink that rings fill (TCP on the emulated"
+                   " cluster: ~82%); fit it from 2 or more nodes per rack")
     kept = [] if r else ["rate as described (no good bandwidth fit)"]
     kept += [] if h else ["hop as described (no good latency fit)"]
     notes.append(f"{level} fitted: {', '.join(parts + kept)}")

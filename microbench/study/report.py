@@ -6,8 +6,10 @@ out and, as the study's parser does, the first recorded iteration of every insta
 concurrent samples are pooled per key (strategy, model, GPUs, placement class) over repeats, respawns and
 experiments. Plots (matplotlib, the `report` extra, imported only here and only when plotting):
 violins of each concurrent sample's (geomean(baseline) / sample - 1) x 100 by placement class and strategy;
-a heatmap over the experiments' placement x entropy bins of the median of those per-sample slowdowns (the
-median of ratios, never their mean); throughput against GPUs per strategy, log-log, with the ideal line.
+a heatmap over the experiments' placement x entropy bins of the median over jobs of each job's median slowdown
+(per job, so one job with many short iterations does not outvote the others; medians of ratios, never means);
+baseline throughput against GPUs per strategy, model and placement class (like for like: a rack-local 2-GPU
+baseline is no reference for a cross-group 16-GPU one), log-log, with the ideal line.
 """
 
 from __future__ import annotations
@@ -113,12 +115,56 @@ def slowdowns(samples: list[Sample], keys: dict[tuple, KeyResult]) -> list[tuple
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class JobSlowdown:
+  """One job of one experiment: the median of its concurrent samples' slowdowns (%), and how many there were."""
+  unit: str
+  job: str
+  median_pct: float
+  n_samples: int
+
+
+def bin_cells(slow: list[tuple[Sample, float]], units: dict[str, dict]
+              ) -> dict[tuple[str, str], list[JobSlowdown]]:
+  """Per placement bin x entropy bin, each job's own median slowdown: a cell is summarised over jobs, not over
+  pooled samples, because a job's sample count follows its iteration time (a fast rack-local job can give 100
+  samples to a slowed job's 10 and would otherwise decide the cell alone)."""
+  per_job: dict[tuple[str, str], list[float]] = {}
+  where: dict[tuple[str, str], tuple[str, str]] = {}
+  for s, v in slow:
+    m = units[s.unit].get("meta") or {}
+    if m.get("placement_bin") and m.get("entropy_bin"):
+      per_job.setdefault((s.unit, s.job), []).append(v)
+      where[(s.unit, s.job)] = (m["placement_bin"], m["entropy_bin"])
+  cells: dict[tuple[str, str], list[JobSlowdown]] = {}
+  for (unit, job), vals in sorted(per_job.items()):
+    cells.setdefault(where[(unit, job)], []).append(JobSlowdown(unit, job, statistics.median(vals), len(vals)))
+  return cells
+
+
+def cell_median(jobs: list[JobSlowdown]) -> float:
+  """A cell's figure: the median over its jobs of each job's median slowdown."""
+  return statistics.median(j.median_pct for j in jobs)
+
+
+def baseline_scaling(samples: list[Sample]) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+  """Baseline throughput (geomean) against GPUs per (strategy, model, placement class), GPUs ascending: only a
+  like-for-like series gives a parallel efficiency; across placements it would measure the placement."""
+  per: dict[tuple[str, str, str], dict[int, list[float]]] = {}
+  for s in samples:
+    if s.kind == "baseline":
+      per.setdefault((s.key[0], s.key[1], s.key[3]), {}).setdefault(s.key[2], []).append(s.throughput)
+  order = {st: i for i, st in enumerate(wl.STRATEGIES)}
+  return {k: [(g, stats.geomean(v)) for g, v in sorted(per_g.items())]
+          for k, per_g in sorted(per.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0]))}
+
+
 def _fmt(x: float, digits: int = 3) -> str:
   return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[float]],
-             scaling: dict[str, list[tuple[int, float]]], plots: list[str], note: str,
+def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[JobSlowdown]],
+             scaling: dict[tuple[str, str, str], list[tuple[int, float]]], plots: list[str], note: str,
              predicted: dict | None = None, per_exp: dict[tuple, dict[str, stats.Sigma]] | None = None) -> str:
   lines = ["# Multi-tenancy interference study", "",
            "sigma = geomean(baseline throughput) / median(concurrent throughput); > 1 means slower when "
@@ -191,26 +237,34 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
       lines.append(f"| {u['unit']} | {pat} | {jobs} | {m.get('entropy_bin')} ({_fmt(m.get('entropy_norm'), 2)}) | "
                    f"{m.get('placement_bin')} ({_fmt(m.get('placement_score'), 2)}) | {u['ended']} |")
   if cells:
-    lines += ["", "## Median slowdown (%) by placement bin (rows) and entropy bin (columns)", "",
+    lines += ["", "## Median slowdown (%) over jobs by placement bin (rows) and entropy bin (columns)", "",
+              "Per job (one job of one experiment, its respawns together): the median of its samples' slowdowns;"
+              " a cell gives the median over its jobs, then the mean over jobs, the number of jobs and of samples."
+              " Jobs weigh the same whatever their sample count.", "",
               "| placement \\ entropy | " + " | ".join(BINS) + " |", "|---|---|---|---|"]
     for p in BINS:
-      row = [f"{statistics.median(cells[(p, h)]):.1f} (n={len(cells[(p, h)])})" if cells.get((p, h)) else "-"
-             for h in BINS]
+      row = [(f"{cell_median(cells[(p, h)]):.1f} (mean {statistics.fmean(j.median_pct for j in cells[(p, h)]):.1f};"
+              f" {len(cells[(p, h)])} jobs, {sum(j.n_samples for j in cells[(p, h)])} samples)")
+             if cells.get((p, h)) else "-" for h in BINS]
       lines.append(f"| {p} | " + " | ".join(row) + " |")
   if scaling:
-    lines += ["", "## Baseline throughput scaling", "", "| strategy | GPUs | samples/s | parallel efficiency |",
-              "|---|---|---|---|"]
-    for st, pts in scaling.items():
+    lines += ["", "## Baseline throughput scaling (like for like)", "",
+              "Baselines of one strategy, model and placement class only; parallel efficiency = (T / T0) (g0 / g)"
+              " against that series' fewest GPUs (`ref.`); a series with one GPU count has none.", "",
+              "| strategy | model | placement | GPUs | samples/s | parallel efficiency |", "|---|---|---|---|---|---|"]
+    for (st, model, cls), pts in scaling.items():
       g0, t0 = pts[0]
       for g, t in pts:
-        lines.append(f"| {st} | {g} | {t:.4g} | {(t / t0) * (g0 / g):.2f} |")
+        eff = "-" if len(pts) == 1 else "ref." if g == g0 else f"{(t / t0) * (g0 / g):.2f}"
+        lines.append(f"| {st} | {model} | {cls} | {g} | {t:.4g} | {eff} |")
   if plots:
     lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
   return "\n".join(lines) + "\n"
 
 
 def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]],
-         cells: dict[tuple[str, str], list[float]], scaling: dict[str, list[tuple[int, float]]]) -> list[str]:
+         cells: dict[tuple[str, str], list[JobSlowdown]], scaling: dict[tuple[str, str, str], list[tuple[int, float]]]
+         ) -> list[str]:
   """The three PNGs; returns their paths. Needs matplotlib (the `report` extra)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
@@ -248,36 +302,36 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
   if cells:
-    grid = [[statistics.median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
+    grid = [[cell_median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     im = ax.imshow(grid, cmap="viridis", origin="lower")
     for r, p in enumerate(BINS):
       for c, h in enumerate(BINS):
         if cells.get((p, h)):
           bright = im.norm(grid[r][c]) > 0.5  # dark text on the bright end of viridis
-          ax.text(c, r, f"{grid[r][c]:.1f}%\nn={len(cells[(p, h)])}", ha="center", va="center",
+          ax.text(c, r, f"{grid[r][c]:.1f}%\n{len(cells[(p, h)])} jobs", ha="center", va="center",
                   color="k" if bright else "w", fontsize=8)
     ax.set_xticks(range(3), BINS)
     ax.set_yticks(range(3), BINS)
     ax.set_xlabel("mix entropy bin")
     ax.set_ylabel("placement (locality score) bin")
-    ax.set_title("Median slowdown (%) by placement x entropy")
-    fig.colorbar(im, ax=ax, label="median (sigma - 1) x 100 %")
+    ax.set_title("Median over jobs of each job's median slowdown (%)")
+    fig.colorbar(im, ax=ax, label="median over jobs, (sigma - 1) x 100 %")
     fig.tight_layout()
     paths.append(os.path.join(out, "heatmap.png"))
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
   if scaling:
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for st, pts in scaling.items():
+    for (st, model, cls), pts in scaling.items():
       gs, ts = [g for g, _ in pts], [t for _, t in pts]
-      line, = ax.plot(gs, ts, "o-", label=wl.STRATEGIES[st].title)
+      line, = ax.plot(gs, ts, "o-", label=f"{wl.STRATEGIES[st].title if st in wl.STRATEGIES else st} {model} @ {cls}")
       ax.plot(gs, [ts[0] * g / gs[0] for g in gs], ls=":", color=line.get_color())
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("GPUs")
     ax.set_ylabel("baseline throughput (samples/s)")
-    ax.set_title("Throughput scaling (dotted: ideal)")
+    ax.set_title("Baseline scaling per placement class (dotted: ideal)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(os.path.join(out, "scaling.png"))
@@ -294,19 +348,8 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
   samples, units = load(out_dir, drop_first)
   keys = by_key(samples)
   slow = slowdowns(samples, keys)
-  cells: dict[tuple[str, str], list[float]] = {}
-  for s, v in slow:
-    m = units[s.unit].get("meta") or {}
-    if m.get("placement_bin") and m.get("entropy_bin"):
-      cells.setdefault((m["placement_bin"], m["entropy_bin"]), []).append(v)
-  scaling: dict[str, list[tuple[int, float]]] = {}
-  for st in wl.STRATEGIES:
-    per_g: dict[int, list[float]] = {}
-    for s in samples:
-      if s.kind == "baseline" and s.key[0] == st:
-        per_g.setdefault(s.key[2], []).append(s.throughput)
-    if per_g:
-      scaling[st] = [(g, stats.geomean(v)) for g, v in sorted(per_g.items())]
+  cells = bin_cells(slow, units)
+  scaling = baseline_scaling(samples)
   note = ""
   recorded = read_records(os.path.join(out_dir, runner.UNITS_FILE))
   failed = sorted({u["unit"] for u in recorded if u.get("status") != "done"} - set(units))
