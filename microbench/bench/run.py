@@ -17,6 +17,7 @@ from meshes.topology import Topology, TopologyError
 from microbench.bench import sizes, sweep
 from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
+from microbench.fabric import expected
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table, train_log
@@ -120,11 +121,17 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     cfg = dataclasses.replace(cfg, profile_dir=outdir)
   plans = plan_scopes(topology, cfg.scopes)
   try:
-    fab = fabric_description.parse(cfg.fabric) if cfg.fabric else None
+    fab = fabric_description.parse(cfg.fabric) if cfg.fabric and cfg.fabric.strip().lower() != expected.OFF else None
     given = {**(fab.level_peaks() if fab else {}), **link_peaks.parse(cfg.link_peaks)}
     peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, given)
   except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
     raise app.UsageError(str(e)) from None
+  models: dict[str, expected.ScopeModel] = {}
+  if not target:  # what the fabric model expects of each scope's points (nothing is measured for a target)
+    found = expected.machine(cfg.fabric, mesh.devices.flat[0].device_kind, mesh.devices.flat[0].platform,
+                             topology.gpus)
+    models = {p.name: expected.scope_model(found.fabric, found.source, p.groups, topology.shape)
+              for p in plans if not p.skip_reason}
   out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
   previous = run_folder.read_results(outdir) if resumed else []
   done = sweep.finished_points(previous)
@@ -139,6 +146,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "status": "running",
       "link_peaks": link_peaks.describe(peaks),
       "fabric": fab.describe() if fab else None,
+      "expected": {**found.describe(), "low_ratio": expected.LOW_RATIO,
+                   "scopes": {name: m.describe() for name, m in models.items()}} if not target else None,
       "target": target.describe() if target else None,
       "environment": environment.capture(hosts) if out.enabled else None,
   }
@@ -155,6 +164,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   for line in environment.header(meta["environment"]) if out.enabled else []:
     out.print(line)
   out.print(f"# {note}")
+  if not target:
+    out.print(expected.summary_line(found))
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
   if resumed:
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
@@ -177,7 +188,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
-    sweep.run_sweep(cfg, mesh, peaks, plans, out, done, watchdog, records)
+    sweep.run_sweep(cfg, mesh, peaks, plans, out, done, watchdog, records, models)
     status = "finished"
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")

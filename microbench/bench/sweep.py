@@ -19,6 +19,7 @@ from meshes.scopes import ScopePlan
 from microbench.bench import collectives, hlo_check, program
 from microbench.bench.sizes import round_count, sweep
 from microbench.cluster import distributed
+from microbench.fabric import expected as fabric_expected
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog, deadline
 from microbench.output import run_folder, table
@@ -377,9 +378,11 @@ def distinct_counts(coll: collectives.Collective, dtype: str, n: int, sizes: lis
 
 def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], plans: list[ScopePlan],
               out: run_folder.RunOutputs, done: set[tuple] = frozenset(), watchdog: Watchdog | None = None,
-              records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              records: list[dict[str, Any]] | None = None,
+              models: dict[str, fabric_expected.ScopeModel] | None = None) -> list[dict[str, Any]]:
   """Runs every point not in `done`, records each as it finishes (also appended to `records`), returns
-  the records of this run; `peaks`: the link peaks per fabric level (link_peaks.resolve) for busbw's share."""
+  the records of this run; `peaks`: the link peaks per fabric level (link_peaks.resolve) for busbw's share;
+  `models`: per scope, what the fabric model expects of its points (fabric_expected; none: no expectation)."""
   sizes = sweep(cfg.min_bytes, cfg.max_bytes, cfg.step_factor)
   barrier = program.make_barrier(mesh)
   records = [] if records is None else records
@@ -429,6 +432,8 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
                       tuple(reqs[1:]))
       if rec["status"] == "ok":
         rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
+        if models and plan.name in models:
+          rec.update(fabric_expected.point(models[plan.name], family, rec))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       if (rec["status"] == "failed" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):

@@ -55,9 +55,12 @@ flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nod
 flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
                     f" name ({', '.join(link_peaks.LINKS)}): e.g. scale_up:450,scale_out:ndr. Levels:"
                     f" {', '.join(link_peaks.LEVELS)}. Default: NVLink from the device kind; no NIC peak.")
-flags.DEFINE_string("fabric", None, "A described machine whose links give the link peaks (one description for"
-                    " sweeps, predictions and the study): leonardo, lumi, alps, jupiter, dgx, nvl72, with"
-                    " :nic=GBPS,... overrides; --link_peaks, where given, wins per level.")
+flags.DEFINE_string("fabric", None, "The machine the points are read against: its links give the link peaks and"
+                    " what the fabric model expects of each point (expected busbw, measured/expected, LOW):"
+                    " leonardo, lumi, alps, jupiter, dgx, nvl72 (with :nic=GBPS,... overrides) or"
+                    " testbed:racks=R,hosts_per_rack=H,host_rate=...,uplink_rate=...; none: no expectation."
+                    " Default: detected from the GPU kind and GPUs per node (none on CPU); --link_peaks, where"
+                    " given, wins per level.")
 flags.DEFINE_list("profile_points", [], "Point numbers (as the table's progress counts them, from 1) to trace with"
                   " jax.profiler after they are measured: one call of each timed program into the run folder"
                   " (TensorBoard's Profile tab).")
@@ -147,7 +150,7 @@ def config_from_flags() -> sweep.SweepConfig:
   crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
   try:
     link_peaks.parse(FLAGS.link_peaks)
-    if FLAGS.fabric:
+    if FLAGS.fabric and FLAGS.fabric.strip().lower() != "none":
       fabric_description.parse(FLAGS.fabric)
   except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
     raise app.UsageError(str(e)) from None

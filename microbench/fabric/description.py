@@ -115,7 +115,7 @@ class Fabric:
       out.append(f"scale_up: {self.scale_up_gbps:g} GB/s per GPU ({self.scale_up_link or 'given'}), hop"
                  f" {self.scale_up_hop_us:g} us")
     if self.nic_gbps:
-      out.append(f"nic: {self.nics_per_node} x {self.nic_gbps:g} GB/s per node ({self.nic_link or 'given'}),"
+      out.append(f"nic: {self.nics_per_node:g} x {self.nic_gbps:g} GB/s per node ({self.nic_link or 'given'}),"
                  f" hop {self.net_hop_us:g} us")
       out.append(f"leaf_up: {self.nodes_per_leaf} nodes per leaf, "
                  + (f"{self.leaf_up_gbps:g} GB/s up" if self.leaf_up_gbps else "non-blocking")

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-_ROW = "{bytes:>12} {count:>11} {dtype:>8} {scope:>10} {group_size:>4} {num_groups:>4}  {time:>10} {algbw:>8} {busbw:>8} {wrong:>6}{flag}"
+_ROW = ("{bytes:>12} {count:>11} {dtype:>8} {scope:>10} {group_size:>4} {num_groups:>4}  {time:>10} {algbw:>8}"
+        " {busbw:>8} {expected:>8} {ratio:>5} {wrong:>6}{flag}")
 HEADER = _ROW.format(bytes="size(B)", count="count", dtype="type", scope="scope", group_size="n",
-                     num_groups="grps", time="time(us)", algbw="algbw", busbw="busbw", wrong="#wrong", flag="")
+                     num_groups="grps", time="time(us)", algbw="algbw", busbw="busbw", expected="expected",
+                     ratio="meas/", wrong="#wrong", flag="")
 UNITS = _ROW.format(bytes="", count="(elements)", dtype="", scope="", group_size="", num_groups="",
-                    time="median", algbw="(GB/s)", busbw="(GB/s)", wrong="", flag="")
+                    time="median", algbw="(GB/s)", busbw="(GB/s)", expected="busbw", ratio="exp", wrong="",
+                    flag="")
 
 
 def _short(dtype: str) -> str:
@@ -52,10 +55,15 @@ def format_row(r: dict[str, Any]) -> str:
     flag += f"  TIMED PROGRAM WRONG ({r['timed_wrong']} elements)"
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
+  if r.get("low"):  # fabric.expected: far below the model at a bandwidth-bound size
+    flag += f"  LOW ({r['vs_expected']:.2f} x expected, {r['expected_bound']}-bound)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
+  has = r.get("expected_busbw_gbps") is not None
   return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=_short(r["dtype"]), scope=r["scope"],
                      group_size=r["group_size"], num_groups=r["num_groups"], time=f"{r['time_us']:.2f}",
-                     algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}", wrong=wrong, flag=flag)
+                     algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}",
+                     expected=f"{r['expected_busbw_gbps']:.3f}" if has else "-",
+                     ratio=f"{r['vs_expected']:.2f}" if has else "-", wrong=wrong, flag=flag)
 
 
 def summary(records: list[dict[str, Any]]) -> str:

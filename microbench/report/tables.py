@@ -60,23 +60,28 @@ def markdown(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 # --- one sweep -------------------------------------------------------------------------------------
 
 SUMMARY_HEADERS = ("collective", "scope", "dtype", "n", "points", "avg busbw (GB/s)", "max busbw (GB/s)",
-                   "peak (GB/s)", "max busbw % of peak")
+                   "peak (GB/s)", "max busbw % of peak", "expected there (GB/s)", "measured / expected there",
+                   "LOW points")
 
 
 def summary_rows(records: Iterable[dict[str, Any]]) -> list[tuple[Any, ...]]:
-  """nccl-tests' "Avg bus bandwidth" per series, with the best busbw and its share of the link peak."""
+  """nccl-tests' "Avg bus bandwidth" per series, with the best busbw, its share of the link peak and what the
+  fabric model expected at that size (empty where the run had no expectation), and the series' LOW points."""
   rows = []
   for (c, s, d, n), recs in by_series(ok(records)).items():
     bw = [r["busbw_gbps"] for r in recs]
     best = max(recs, key=lambda r: r["busbw_gbps"])
+    has = any("vs_expected" in r for r in recs)
     rows.append((c, s, d, n, len(recs), sum(bw) / len(bw), best["busbw_gbps"], best.get("peak_gbps"),
-                 best.get("busbw_pct_of_peak")))
+                 best.get("busbw_pct_of_peak"), best.get("expected_busbw_gbps"), best.get("vs_expected"),
+                 sum(bool(r.get("low")) for r in recs) if has else None))
   return rows
 
 
 def problem_rows(records: Iterable[dict[str, Any]]) -> dict[str, list[tuple[Any, ...]]]:
   """Points a reader must not miss: not measured (skipped, failed HLO check), wrong, stragglers."""
-  out: dict[str, list[tuple[Any, ...]]] = {"not measured": [], "wrong": [], "stragglers": []}
+  out: dict[str, list[tuple[Any, ...]]] = {"not measured": [], "wrong": [], "stragglers": [],
+                                           "far below the fabric model (LOW)": []}
   for r in records:
     where = (r["collective"], r["scope"], r["dtype"], size_text(r.get("bytes") or r.get("requested_bytes") or 0))
     if r.get("status") != "ok":
@@ -85,6 +90,10 @@ def problem_rows(records: Iterable[dict[str, Any]]) -> dict[str, list[tuple[Any,
       out["wrong"].append((*where, r["wrong"], ""))
     elif r.get("straggler"):
       out["stragglers"].append((*where, r.get("slowest_rank"), f"spread {100 * (r.get('time_spread') or 0):.0f}%"))
+    if r.get("status") == "ok" and r.get("low"):
+      out["far below the fabric model (LOW)"].append(
+          (*where, f"{r['vs_expected']:.2f} x expected", f"{r['busbw_gbps']:.4g} of {r['expected_busbw_gbps']:.4g}"
+           f" GB/s busbw, {r.get('expected_algorithm')}, {r.get('expected_bound')}-bound"))
   return out
 
 
