@@ -163,6 +163,8 @@ SLOW = (
     "tests/test_report.py::test_report_bad_run_folder_or_out_is_one_line",
     "tests/test_report.py::test_report_command_line",
     "tests/test_report.py::test_report_sets_a_run_beside_nccl_tests",
+    "tests/test_nccl_tests_logs.py::test_report_draws_json_output_beside_a_sweep_in_a_figure_and_tensorboard",
+    "tests/test_expected.py::test_fabric_none_and_a_bad_fabric",
     "tests/test_cli.py::test_nccl_debug_captures_into_the_run_folder_and_says_when_there_is_nothing",
     "tests/test_report.py::test_runs_from_one_distribution_mark_no_point_changed",
     "tests/test_report.py::test_the_interval_covers_the_true_ratio_in_most_seeds",
