@@ -149,3 +149,20 @@ def test_the_report_summary_and_problems_carry_the_expectation():
   assert low[3] == "1G" and "0.25 x expected" in low[4]
   (row,) = tables.summary_rows([{k: v for k, v in r.items() if "expected" not in k and k != "low"} for r in recs])
   assert row[-3:] == (None, None, None)
+
+
+def test_the_emulated_cluster_describes_itself_to_its_jobs():
+  """microbench-testbed gives its jobs the testbed as built (faults left out, so a planted fault shows as LOW);
+  a CPU run on it reads that description, one elsewhere has none, and --fabric wins."""
+  from microbench.cluster import testbed as tbm, testbed_jobs  # pylint: disable=g-import-not-at-top
+  bed = tbm.Testbed(prefix="tbexp", hosts=4, racks=2, host_rate=300_000_000, uplink_rate=75_000_000,
+                    queue="fair", faults=("h3:rate=0.25",))
+  spec = testbed_jobs.fabric_spec(bed)
+  found = expected.machine(None, "cpu", "cpu", 1, {testbed_jobs.FABRIC_ENV: spec})
+  assert found.fabric.nic_gbps == pytest.approx(0.0375) and found.fabric.leaf_up_gbps == pytest.approx(0.009375)
+  assert found.fabric.nodes_per_leaf == 2 and "emulated cluster" in found.source
+  unshaped_up = testbed_jobs.fabric_spec(dataclasses.replace(bed, uplink_rate=None))
+  assert expected.machine(None, "cpu", "cpu", 1, {testbed_jobs.FABRIC_ENV: unshaped_up}).fabric.leaf_up_gbps is None
+  assert testbed_jobs.fabric_spec(dataclasses.replace(bed, host_rate=None, faults=())) is None
+  assert expected.machine(None, "cpu", "cpu", 1, {}).fabric is None
+  assert expected.machine("dgx", "cpu", "cpu", 1, {testbed_jobs.FABRIC_ENV: spec}).fabric.name == "dgx"

@@ -47,6 +47,18 @@ class JobReport:
   log_dir: str
 
 
+FABRIC_ENV = "MICROBENCH_FABRIC"  # the testbed as a described fabric: what `microbench` expects of its points
+
+
+def fabric_spec(bed: Testbed) -> str | None:
+  """The healthy testbed as `--fabric` would describe it (planted faults are not in it: the expectation is of
+  the machine as built, so a fault shows as LOW); None where its host links are unshaped (no rate to expect)."""
+  if not bed.host_rate:
+    return None
+  return (f"testbed:racks={bed.racks},hosts_per_rack={bed.hosts // bed.racks},host_rate={bed.host_rate}bit,"
+          f"uplink_rate={f'{bed.uplink_rate}bit' if bed.uplink_rate else 'none'},queue={bed.queue}")
+
+
 def job_procs(bed: Testbed, hosts: Sequence[int], command: Sequence[str], name: str, log_dir: str, *,
               devices_per_process: int = 1, pass_flags: bool = True, passthrough: bool = True,
               prefix: str = "") -> list[launch.Proc]:
@@ -58,6 +70,9 @@ def job_procs(bed: Testbed, hosts: Sequence[int], command: Sequence[str], name: 
   for i, h in enumerate(hosts):
     argv = bed.exec_argv(h, list(command) + (launch.distributed_flags(coordinator, n, i) if pass_flags else []))
     env = launch.rank_env(coordinator, n, i, devices_per_process, bed.host_name(h), job=name)
+    spec = fabric_spec(bed)
+    if spec:
+      env[FABRIC_ENV] = spec
     procs.append(launch.Proc(name, i, argv, env, os.path.join(log_dir, f"rank{i}.log"),
                              passthrough=passthrough and i == 0, prefix=prefix))
   return procs

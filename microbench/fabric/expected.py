@@ -20,7 +20,8 @@ in-switch bound 0.61), so half of it is far below what a healthy machine gives, 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from microbench.fabric import collectives as fabric_collectives
@@ -33,6 +34,7 @@ LOW_RATIO = 0.5  # measured / expected busbw under this, at a bandwidth-bound si
 # launch, the host's dispatch; an unfitted testbed has no latency at all).
 MIN_BANDWIDTH_US = 20.0
 OFF = "none"  # --fabric=none
+TESTBED_ENV = "MICROBENCH_FABRIC"  # set by microbench-testbed for its jobs: the emulated cluster as built
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +59,18 @@ def _node_only(kind: gpu_kinds.GpuKind, gpus_per_node: int) -> Fabric | None:
                                              " described: give --fabric for groups across nodes",))
 
 
-def machine(spec: str | None, device_kind: str, platform: str, gpus_per_node: int) -> Machine:
-  """The run's machine: `spec` (--fabric) when given, else detected from the devices. FabricError for a bad
-  spec (the CLI turns it into one line)."""
+def machine(spec: str | None, device_kind: str, platform: str, gpus_per_node: int,
+            environ: Mapping[str, str] | None = None) -> Machine:
+  """The run's machine: `spec` (--fabric) when given, else detected: the emulated cluster's own description
+  (TESTBED_ENV, which microbench-testbed sets for its jobs), or from the devices. FabricError for a bad spec
+  (the CLI turns it into one line)."""
   if spec and spec.strip().lower() == OFF:
     return Machine(None, "--fabric=none: no expectation")
   if spec:
     return Machine(parse(spec), f"--fabric={spec}")
+  emulated = (os.environ if environ is None else environ).get(TESTBED_ENV)
+  if emulated and platform == "cpu":
+    return Machine(parse(emulated), f"detected: the emulated cluster ({TESTBED_ENV}={emulated})")
   if platform == "cpu":
     return Machine(None, "CPU devices: no machine is described for them (on the emulated cluster give"
                          " --fabric=testbed:racks=R,hosts_per_rack=H,host_rate=...,uplink_rate=...)")
