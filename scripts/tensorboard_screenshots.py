@@ -59,8 +59,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--disable-dev-shm-usage", "--hide-scrollbars"]
 
-# Every element under `root`, through shadow roots and same-origin iframes (TensorBoard's Polymer plugins
-# live in shadow DOM, some in iframes).
+# Every element under `root` in document order (a shadow root's content before the light children it
+# slots), through shadow roots and same-origin iframes (TensorBoard's Polymer plugins live in shadow DOM,
+# some in iframes).
 _WALK = """
 function* walk(root) {
   const stack = [root];
@@ -68,9 +69,10 @@ function* walk(root) {
     const node = stack.pop();
     if (!node) continue;
     if (node.nodeType === 1) yield node;
-    if (node.shadowRoot) stack.push(node.shadowRoot);
+    const kids = Array.from(node.children || []);
+    for (let i = kids.length - 1; i >= 0; i--) stack.push(kids[i]);
     if (node.tagName === 'IFRAME') { try { stack.push(node.contentDocument); } catch (e) {} }
-    for (const c of (node.children || [])) stack.push(c);
+    if (node.shadowRoot) stack.push(node.shadowRoot);
   }
 }
 """
@@ -101,6 +103,70 @@ for (const el of walk(document)) {
       && el.parentNode.getAttribute('class') === 'foreground') n++;
 }
 return n;
+"""
+
+# Every chart the legacy dashboards (Scalars, Custom Scalars) drew: its card's title, the y range it shows and
+# its series (name, values). A series whose values all lie outside the y range is not seen as opened ("Ignore
+# outliers" keeps the range between the 5% and 95% quantiles of the chart's values: of two values, neither).
+_CHARTS = _WALK + """
+const out = [];
+for (const el of walk(document)) {
+  if (el.tagName !== 'VZ-LINE-CHART2' || !el._chart) continue;
+  const c = el._chart;
+  const domain = c.yScale.domain();
+  const series = [];
+  for (const ds of c.datasets) {
+    const values = [];
+    for (const d of ds.data()) { const v = c.yValueAccessor(d, -1, ds); if (isFinite(v)) values.push(v); }
+    series.push({name: ds.metadata().name, values: values});
+  }
+  let host = el, title = null;
+  while (host && title === null) {
+    const root = host.getRootNode();
+    host = root && root.host;
+    if (!host) break;
+    if (typeof host.tag === 'string' && host.tag) title = host.tag;
+    else if (typeof host.title === 'string' && host.title) title = host.title;
+  }
+  out.push({title: title, domain: [Number(domain[0]), Number(domain[1])], series: series});
+}
+return out;
+"""
+
+# Time Series as opened: its card groups in order (TensorBoard opens the first two), and the scalar cards drawn
+# (those of the open groups) with their tag and text (the run table under the chart included).
+_TIME_SERIES = _WALK + """
+const groups = [], cards = [];
+for (const el of walk(document)) {
+  if (el.classList && el.classList.contains('group-title')) {
+    const name = (el.getAttribute('title') || el.textContent || '').trim();
+    if (name !== 'Pinned') groups.push(name);
+  }
+  if (el.tagName.toLowerCase() === 'scalar-card-component') {
+    const tag = el.querySelector('tb-truncated-path');
+    cards.push({tag: tag ? tag.getAttribute('title') : null, text: (el.innerText || '').replace(/\\s+/g, ' ')});
+  }
+}
+return {groups: groups, cards: cards};
+"""
+
+# The Text tab's boxes: per run and tag, the box's height, the height of what it holds (taller: it scrolls,
+# hiding the rest) and its text.
+_TEXT_BOXES = _WALK + """
+const out = [];
+for (const el of walk(document)) {
+  if (el.tagName !== 'TF-TEXT-LOADER' || !el.shadowRoot) continue;
+  const box = el.shadowRoot.getElementById('steps-container');
+  if (!box) continue;
+  let text = '';
+  for (const n of walk(box)) {
+    if (n.tagName !== 'TF-MARKDOWN-VIEW' || !n.shadowRoot) continue;
+    for (const c of n.shadowRoot.children) { if (c.tagName !== 'STYLE') text += ' ' + (c.innerText || ''); }
+  }
+  out.push({run: el.run, tag: el.tag, scroll_height: box.scrollHeight, client_height: box.clientHeight,
+            text: text.replace(/\\s+/g, ' ').trim()});
+}
+return out;
 """
 
 
@@ -196,6 +262,49 @@ class Browser:
       except subprocess.TimeoutExpired:
         p.kill()
     shutil.rmtree(self.profile, ignore_errors=True)
+
+  def open(self, fragment: str, settle_s: float = 0.0) -> None:
+    """A view by its URL fragment, loaded afresh (no state carried from the previous view)."""
+    self.driver.get("about:blank")
+    self.driver.get(f"{self.tb}/#{fragment}")
+    time.sleep(settle_s)
+
+  def charts(self, want: int = 1, want_series: int = 1, timeout: float = 40.0) -> list[dict]:
+    """The open legacy dashboard's charts (title, y domain, values, series names), polling until `want` charts
+    hold data in `want_series` series each (runs' data come in separately) or `timeout` passes."""
+    end = time.time() + timeout
+    charts: list[dict] = []
+    while time.time() < end:
+      charts = self.driver.script(_CHARTS)
+      if sum(1 for c in charts if sum(1 for x in c["series"] if x["values"]) >= want_series) >= want:
+        break
+      time.sleep(0.5)
+    return charts
+
+  def time_series(self, want_cards: int = 1, want_runs: tuple[str, ...] = (), timeout: float = 40.0) -> dict:
+    """Time Series' groups in order and its drawn cards (tag, text), polling until `want_cards` show a run and
+    the first card lists every run of `want_runs` (runs' data come in separately) or `timeout` passes."""
+    end = time.time() + timeout
+    view: dict = {"groups": [], "cards": []}
+    while time.time() < end:
+      view = self.driver.script(_TIME_SERIES)
+      shown = [c for c in view["cards"] if c["tag"] and "Run" in c["text"]]
+      first = next((c["text"].split() for c in view["cards"] if c["tag"]), [])
+      if len(shown) >= want_cards and all(r in first for r in want_runs):
+        break
+      time.sleep(0.5)
+    return view
+
+  def text_boxes(self, want: int = 1, timeout: float = 40.0) -> list[dict]:
+    """The Text tab's boxes (run, tag, heights, text), polling until `want` hold text."""
+    end = time.time() + timeout
+    boxes: list[dict] = []
+    while time.time() < end:
+      boxes = self.driver.script(_TEXT_BOXES)
+      if sum(1 for b in boxes if b["text"]) >= want:
+        break
+      time.sleep(0.5)
+    return boxes
 
   def parallel_coordinates_lines(self, want: int, timeout: float = 40.0) -> int:
     """Opens HParams, clicks its parallel-coordinates tab and counts the session lines drawn, polling until

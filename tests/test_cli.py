@@ -73,7 +73,8 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert {"figures/all_reduce", "figures/all_to_all"} <= set(ea.Tags()["images"])  # the report's figures
   assert "config" in ea.Tags()["tensors"]
   config = ea.Tensors("config")[0].tensor_proto.string_val[0].decode()
-  assert config.startswith("| name | value |") and "| `collectives` |" in config and "None" not in config
+  assert config.startswith("| set away from the default | value | default |")  # what differs first
+  assert "| `collectives` | **all_reduce, all_to_all** | all |" in config and "None" not in config
 
 
 def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):

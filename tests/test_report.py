@@ -626,6 +626,196 @@ def test_time_plot_draws_the_fit_and_flags_a_poor_one(tmp_path):
   assert "POOR:" in build.fit_rows([f])[0][-1]
 
 
+def _notes_outside(fig) -> list[str]:
+  """Drawn at its own size: panels squeezed under half the figure's width, or note text past the figure's edge."""
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
+  canvas = FigureCanvasAgg(fig)
+  canvas.draw()
+  renderer = canvas.get_renderer()
+  width = fig.bbox.width
+  bad = [f"axes {ax.bbox.width:.0f} of {width:.0f} px" for ax in fig.axes if ax.bbox.width < 0.5 * width]
+  return bad + [t.get_text()[:30] for ax in fig.axes for t in ax.texts
+                if t.get_window_extent(renderer).x1 > width + 1 or t.get_window_extent(renderer).x0 < -1]
+
+
+def test_a_long_poor_fit_note_stays_inside_its_panel(monkeypatch):
+  """Two series' poor-fit reasons (each ~110 characters) once made one line that constrained layout squeezed the
+  axes for (a real sweep's figure 60 px wide); wrapped, they stay inside the panel. Unwrapped (a mutation), the
+  check says so."""
+  from microbench.report import plots  # pylint: disable=g-import-not-at-top
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), sizes=[2**k for k in range(10, 19, 2)])
+  why = "R^2 0.67 < 0.9, worst point off by 102% > 25% (bandwidth-bound), worst latency-bound point off by 88% > 50%"
+  lines = [(f"{s}/float32 (n={n})", [r for r in recs if r["scope"] == s], 1.0) for s, n in (("scale_up", 4),
+                                                                                             ("scale_out", 2))]
+  models = {("x", label): (20.0, 40.0, why) for label, _, _ in lines}
+  assert _notes_outside(plots.collective_figure("all_reduce", [("x", lines)], models)) == []
+  monkeypatch.setattr(plots, "NOTE_CHARS", 1000)
+  assert _notes_outside(plots.collective_figure("all_reduce", [("x", lines)], models)) != []
+
+
+def _panels(fig):
+  """(busbw axes, time axes) per panel of a collective figure (two rows, the busbw row first)."""
+  cols = len(fig.axes) // 2
+  return list(zip(fig.axes[:cols], fig.axes[cols:]))
+
+
+def _drawn_fits(fig) -> dict[str, list[float]]:
+  """"panel: legend label" -> the dashed fit drawn in that line's colour on the time panel."""
+  out = {}
+  for bw, tm in _panels(fig):
+    label_of = {ln.get_color(): ln.get_label() for ln in bw.get_lines() if not ln.get_label().startswith("_")}
+    for ln in tm.get_lines():
+      if ln.get_label() == "_fit":
+        out[f"{bw.get_title()}: {label_of[ln.get_color()]}"] = list(ln.get_ydata())
+  return out
+
+
+def _fit_mismatches(figs, fits_by_coll, sizes) -> list[str]:
+  """The fit lines of each collective's figure that are not its own series' fit (or missing)."""
+  bad = []
+  for coll, (alpha, beta) in fits_by_coll.items():
+    drawn = _drawn_fits(figs[f"{coll}.png"])
+    want = [alpha + s / (beta * 1e3) for s in sizes]
+    bad += [f"{coll}: {len(drawn)} fit lines, not 2"] if len(drawn) != 2 else []
+    bad += [f"{coll} {label}" for label, ys in drawn.items() if ys != pytest.approx(want, rel=1e-6)]
+  return bad
+
+
+def test_each_collective_figure_draws_its_own_series_fit(tmp_path, monkeypatch):
+  """Two collectives with the same scopes and different fits: each figure's dashed lines are its own series'
+  fit. Keyed by the scope/dtype label alone (the old keying, as a mutation) the last collective's fit is drawn
+  on every figure, and the check says so."""
+  from microbench.report import build, runs  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 2)]
+  recs = (synthetic_records(20.0, 40.0, collectives=("all_reduce",), sizes=sizes)
+          + synthetic_records(200.0, 5.0, collectives=("all_gather",), sizes=sizes))
+  fits = {"all_reduce": (20.0, 40.0), "all_gather": (200.0, 5.0)}
+  run = runs.SweepRun(str(tmp_path), "x", {}, recs)
+  assert _fit_mismatches(build.single_sweep_figures(run), fits, sizes) == []
+  real = build._models  # pylint: disable=protected-access
+
+  def keyed_by_label(records):  # the old keying: the label without the collective, so the last one wins
+    by_label = {k[1:]: v for k, v in real(records).items()}
+    return {k: by_label[k[1:]] for k in real(records)}
+
+  monkeypatch.setattr(build, "_models", keyed_by_label)
+  bad = _fit_mismatches(build.single_sweep_figures(run), fits, sizes)
+  assert len(bad) == 2 and all(m.startswith("all_reduce x: ") for m in bad), bad
+
+
+def _false_fit_notes(fig) -> list[str]:
+  """Time panels whose x label promises a dashed fit that is not drawn, or draw one it does not mention."""
+  from microbench.report import plots  # pylint: disable=g-import-not-at-top
+  return [bw.get_title() for bw, tm in _panels(fig)
+          if (plots.FIT_NOTE in tm.get_xlabel()) != any(ln.get_label() == "_fit" for ln in tm.get_lines())]
+
+
+def _unexplained_peaks(fig) -> list[str]:
+  """Legend lines with neither a peak line in their colour nor words saying the peak is unknown."""
+  bad = []
+  for bw, _ in _panels(fig):
+    peaks = {ln.get_color() for ln in bw.get_lines() if ln.get_label() == "_peak"}
+    bad += [f"{bw.get_title()}: {ln.get_label()}" for ln in bw.get_lines() if not ln.get_label().startswith("_")
+            and ln.get_color() not in peaks and "peak unknown" not in ln.get_label()]
+  return bad
+
+
+def _colours_per_label(fig, axes) -> dict[str, set]:
+  out: dict[str, set] = {}
+  for ax in axes:
+    for ln in ax.get_lines():
+      if not ln.get_label().startswith("_"):
+        out.setdefault(ln.get_label().split(" (n=")[0], set()).add(ln.get_color())
+  return out
+
+
+def test_compare_figures_draw_what_they_say(tmp_path, monkeypatch):
+  """A CPU run (no peak) against a run with a 50 GB/s peak: each run's own fits are drawn and the x label says
+  so (and says nothing where no fit is drawn); the peak line is drawn where known and the CPU run's lines say
+  "peak unknown (CPU)"; a run keeps its colour in every panel although it lacks a scope. Each check is also
+  shown failing on a figure broken the way the old one was."""
+  from microbench.report import build, plots, runs  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 2)]
+  cpu = {"device_count": 8, "device_kind": "cpu", "platform": "cpu"}
+  a = runs.SweepRun(str(tmp_path / "A"), "A", cpu, synthetic_records(
+      20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_out", 2),), sizes=sizes))
+  b = runs.SweepRun(str(tmp_path / "B"), "B", {"device_kind": "NVIDIA H100", "platform": "gpu"}, synthetic_records(
+      10.0, 80.0, collectives=("all_reduce",), sizes=sizes, peak=50.0))
+  fig = build.compare_sweep_figures([a, b])["compare_all_reduce.png"]
+  assert [bw.get_title() for bw, _ in _panels(fig)] == ["scale_out", "scale_up"]
+  assert _false_fit_notes(fig) == [] and all(plots.FIT_NOTE in tm.get_xlabel() for _, tm in _panels(fig))
+  drawn = _drawn_fits(fig)
+  assert drawn.pop("scale_out: A (n=2), peak unknown (CPU)") == pytest.approx(
+      [20.0 + s / 40e3 for s in sizes], rel=1e-6)
+  assert set(drawn) == {"scale_out: B (n=2), peak 50 GB/s", "scale_up: B (n=4), peak 50 GB/s"}
+  assert all(ys == pytest.approx([10.0 + s / 80e3 for s in sizes], rel=1e-6) for ys in drawn.values())
+  assert _unexplained_peaks(fig) == []
+  assert {c: len(v) for c, v in _colours_per_label(fig, fig.axes).items()} == {"A": 1, "B": 1}
+  # The old figure's faults, one at a time: the note without a fit, a peak neither drawn nor said unknown.
+  bare = plots.collective_figure("all_reduce", [("scale_out", [("A (n=2)", a.records, 50.0)])])
+  assert _false_fit_notes(bare) == [] and _unexplained_peaks(bare) == []
+  _panels(bare)[0][1].set_xlabel("message size S (bytes); " + plots.FIT_NOTE)
+  assert _false_fit_notes(bare) == ["scale_out"]
+  for ln in _panels(bare)[0][0].get_lines():
+    if ln.get_label() == "_peak":
+      ln.remove()
+  assert _unexplained_peaks(bare) == ["scale_out: A (n=2), peak 50 GB/s"]
+  monkeypatch.setattr(plots, "colour_map", lambda keys: {})  # matplotlib's cycle, restarting in every panel
+  fig = build.compare_sweep_figures([a, b])["compare_all_reduce.png"]
+  assert len(_colours_per_label(fig, fig.axes)["B"]) == 2
+
+
+def _false_expected_notes(fig) -> list[str]:
+  """busbw panels whose label promises a dotted expectation that is not drawn, or draw one it does not mention."""
+  from microbench.report import plots  # pylint: disable=g-import-not-at-top
+  return [bw.get_title() for bw, _ in _panels(fig)
+          if (plots.EXPECTED_NOTE in bw.get_ylabel())
+          != any(ln.get_label() == "_expected" for ln in bw.get_lines())]
+
+
+def test_a_sweep_figure_draws_the_expected_busbw_where_records_carry_it(tmp_path):
+  """The fabric model's busbw dotted in each series' colour beside its busbw, at the same sizes; a series without
+  the fields (a CPU run without --fabric) draws none and the label says none. The check, shown failing on a
+  label that claims a line not drawn."""
+  from microbench.report import build, plots, runs  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 2)]
+  recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), sizes=sizes)
+  for r in recs:
+    if r["scope"] == "scale_up":
+      r.update(expected_busbw_gbps=1.25 * r["busbw_gbps"], vs_expected=0.8)
+  fig = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, recs))["all_reduce.png"]
+  (bw, _), = _panels(fig)
+  assert _false_expected_notes(fig) == [] and plots.EXPECTED_NOTE in bw.get_ylabel()
+  colour = {ln.get_label().split("/")[0]: ln.get_color() for ln in bw.get_lines()
+            if not ln.get_label().startswith("_")}
+  (dotted,) = [ln for ln in bw.get_lines() if ln.get_label() == "_expected"]
+  assert dotted.get_color() == colour["scale_up"] and list(dotted.get_xdata()) == sizes
+  assert list(dotted.get_ydata()) == pytest.approx(
+      [r["expected_busbw_gbps"] for r in recs if r["scope"] == "scale_up"])
+  bare = build.single_sweep_figures(runs.SweepRun(str(tmp_path), "x", {}, synthetic_records(
+      20.0, 40.0, collectives=("all_reduce",), sizes=sizes)))["all_reduce.png"]
+  assert _false_expected_notes(bare) == [] and plots.EXPECTED_NOTE not in _panels(bare)[0][0].get_ylabel()
+  _panels(bare)[0][0].set_ylabel("busbw (GB/s); " + plots.EXPECTED_NOTE)
+  assert _false_expected_notes(bare) == ["x"]
+
+
+def test_the_ratio_plot_gives_a_scope_one_colour_in_every_panel(monkeypatch):
+  """all_gather lacks scale_up: with matplotlib's per-axes colour cycle (the old plot, as a mutation) its
+  scale_out took scale_up's colour there."""
+  from microbench.report import plots  # pylint: disable=g-import-not-at-top
+  sizes = [2**k for k in range(10, 21, 4)]
+  a = synthetic_records(20.0, 40.0, sizes=sizes)
+  b = [r for r in synthetic_records(20.0, 30.0, sizes=sizes)
+       if (r["collective"], r["scope"]) != ("all_gather", "scale_up")]
+  r = tables.ratio_rows([a], [b])
+  fig = plots.ratio_figure("A", "B", r["both"], r["runs"])
+  colours = _colours_per_label(fig, fig.axes)
+  assert set(colours) == {"scale_up/float32", "scale_out/float32"} and all(len(c) == 1 for c in colours.values())
+  monkeypatch.setattr(plots, "colour_map", lambda keys: {})
+  fig = plots.ratio_figure("A", "B", r["both"], r["runs"])
+  assert len(_colours_per_label(fig, fig.axes)["scale_out/float32"]) == 2
+
+
 def test_training_report_compares_strategies(runs_dir, tmp_path):
   from microbench.report import build
   root, _, _ = runs_dir

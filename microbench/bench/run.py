@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Any
 
-from absl import app
+from absl import app, flags
 
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
@@ -20,7 +20,7 @@ from microbench.fabric import description as fabric_description
 from microbench.fabric import expected
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
-from microbench.output import run_folder, table, train_log
+from microbench.output import run_folder, table
 from microbench.report import alpha_beta, nccl_log
 from microbench.target import compile_only
 
@@ -152,7 +152,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
-  out.text("config", train_log.markdown_table(dict(sorted(flag_values.items()))))  # a table, not a dump
+  out.config(flag_values, {k: flags.FLAGS[k].default for k in flag_values  # what differs first, then all
+                           if k in flags.FLAGS and k not in ("outdir", "resume")})
   out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
   if target:
     out.print(f"# microbench: jax {meta['jax_version']}, compile only for {target.hosts} host(s) x "

@@ -19,6 +19,7 @@ import struct
 from typing import Any
 
 from microbench.cluster import environment
+from microbench.output import run_folder
 from microbench.output.tensorboard import TensorBoardLog
 from microbench.report import alpha_beta, plots, runs, tables
 
@@ -52,37 +53,65 @@ def _peak(recs: list[dict[str, Any]]) -> float | None:
   return max((r["peak_gbps"] for r in recs if r.get("peak_gbps")), default=None)
 
 
+def no_peak_note(meta: dict[str, Any]) -> str:
+  """Why a run's lines have no link peak, for their legend: CPU devices have none; another device kind needs
+  --link_peaks (or --fabric) when the toolkit does not know it."""
+  kind = str(meta.get("device_kind") or "")
+  if meta.get("platform") == "cpu" or kind.lower() == "cpu":
+    return "peak unknown (CPU)"
+  return f"peak unknown ({kind}: give --link_peaks)" if kind else "peak unknown"
+
+
+def _models(records: list[dict[str, Any]]) -> dict[tables.SeriesKey, plots.Model]:
+  """Each series' alpha-beta fit (alpha, beta, why poor), keyed by the whole series (collective first)."""
+  return {(f.collective, f.scope, f.dtype, f.group_size): (f.alpha_us, f.beta_gbps, f.poor())
+          for f in alpha_beta.fit_run(records) if f.alpha_us is not None}
+
+
 def single_sweep_figures(run: runs.SweepRun) -> dict[str, Any]:
-  """One figure per collective: one line per scope and dtype."""
+  """One figure per collective: one line per scope and dtype, each with its own series' fit."""
   figs = {}
   series = tables.by_series(tables.ok(run.records))
-  models = {_line_label(recs[0]): (f.alpha_us, f.beta_gbps, f.poor())
-            for f in alpha_beta.fit_run(run.records) if f.alpha_us is not None
-            for k, recs in series.items() if k == (f.collective, f.scope, f.dtype, f.group_size)}
+  fits = _models(run.records)
+  note = no_peak_note(run.meta)
   for coll in dict.fromkeys(k[0] for k in series):
-    lines = [(_line_label(recs[0]), recs, _peak(recs)) for k, recs in series.items() if k[0] == coll]
+    lines, models = [], {}
+    for k, recs in series.items():
+      if k[0] == coll:
+        label = _line_label(recs[0])
+        lines.append((label, recs, _peak(recs) or note))
+        if k in fits:
+          models[(run.label, label)] = fits[k]
     figs[f"{_slug(coll)}.png"] = plots.collective_figure(coll, [(run.label, lines)], models)
   return figs
 
 
 def compare_sweep_figures(sweeps: list[runs.SweepRun]) -> dict[str, Any]:
-  """One figure per collective, a panel per scope, a line per run (and dtype when there are several)."""
+  """One figure per collective, a panel per scope, a line per run (and dtype when there are several), each with
+  its own fit; a run (and dtype) keeps one colour in every panel."""
   figs = {}
-  per_run = [(run, tables.by_series(tables.ok(run.records))) for run in sweeps]
-  colls = list(dict.fromkeys(k[0] for _, s in per_run for k in s))
+  per_run = [(run, tables.by_series(tables.ok(run.records)), _models(run.records), no_peak_note(run.meta))
+             for run in sweeps]
+  colls = list(dict.fromkeys(k[0] for _, s, _, _ in per_run for k in s))
   for coll in colls:
-    scopes = list(dict.fromkeys(k[1] for _, s in per_run for k in s if k[0] == coll))
-    panels = []
+    scopes = list(dict.fromkeys(k[1] for _, s, _, _ in per_run for k in s if k[0] == coll))
+    panels, models, colour_of = [], {}, {}
     for scope in scopes:
-      dtypes = {k[2] for _, s in per_run for k in s if k[:2] == (coll, scope)}
+      dtypes = {k[2] for _, s, _, _ in per_run for k in s if k[:2] == (coll, scope)}
       lines = []
-      for run, series in per_run:
+      for run, series, fits, note in per_run:
         for k, recs in series.items():
           if k[:2] == (coll, scope):
-            label = run.label + (f"/{k[2]}" if len(dtypes) > 1 else "") + f" (n={k[3]})"
-            lines.append((label, recs, _peak(recs)))
+            name = run.label + (f"/{k[2]}" if len(dtypes) > 1 else "")
+            label = f"{name} (n={k[3]})"
+            lines.append((label, recs, _peak(recs) or note))
+            colour_of[label] = name
+            if k in fits:
+              models[(scope, label)] = fits[k]
       panels.append((scope, lines))
-    figs[f"compare_{_slug(coll)}.png"] = plots.collective_figure(coll, panels)
+    colours = plots.colour_map(list(colour_of.values()))
+    figs[f"compare_{_slug(coll)}.png"] = plots.collective_figure(
+        coll, panels, models, {label: colours.get(name) for label, name in colour_of.items()})
   return figs
 
 
@@ -180,7 +209,11 @@ def write_images(logdir: str, figures: dict[str, Any], prefix: str) -> None:
 
 def sweep_images(outdir: str, records: list[dict[str, Any]]) -> int:
   """A finished sweep's per-collective figures into its own events; returns how many."""
-  figs = single_sweep_figures(runs.SweepRun(outdir, os.path.basename(os.path.normpath(outdir)), {}, records))
+  try:
+    meta = run_folder.read_meta(outdir) or {}
+  except ValueError:  # a torn meta.json costs the figures only their "peak unknown (CPU)" note
+    meta = {}
+  figs = single_sweep_figures(runs.SweepRun(outdir, os.path.basename(os.path.normpath(outdir)), meta, records))
   if figs:
     write_images(outdir, figs, "figures")
   return len(figs)

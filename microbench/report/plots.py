@@ -5,7 +5,8 @@ extra, imported only here."""
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import textwrap
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import matplotlib
@@ -16,11 +17,16 @@ from matplotlib.figure import Figure  # noqa: E402  pylint: disable=g-import-not
 
 from microbench.report.tables import size_text  # noqa: E402  pylint: disable=wrong-import-position
 
-Line = tuple[str, Sequence[dict[str, Any]], float | None]  # legend label, records by bytes, busbw peak
+Line = tuple[str, Sequence[dict[str, Any]], float | str | None]  # legend label, records by bytes, busbw peak
+# (GB/s), or the words saying why no peak is known ("peak unknown (CPU)"; None: "peak unknown")
 Panel = tuple[str, Sequence[Line]]  # title, lines
 Model = tuple[float, float | None, str | None]  # alpha_us, beta_gbps (None: latency only), why the fit is poor
 PEAK_SPAN = 3.0  # a peak more than this times the best busbw turns the busbw axis logarithmic, so both show
 DPI = 80
+NO_PEAK = "peak unknown"
+FIT_NOTE = "dashed: alpha-beta fit"
+EXPECTED_NOTE = "dotted: expected"  # the fabric model's busbw, on the busbw panel where a record carries it
+NOTE_CHARS = 70  # a poor-fit note's line: 7 pt text across a 5.2 in panel
 
 
 def _size_axis(ax) -> None:
@@ -31,14 +37,25 @@ def _size_axis(ax) -> None:
   ax.grid(True, which="major", alpha=0.3)
 
 
-def collective_figure(collective: str, panels: Sequence[Panel],
-                      models: dict[str, Model] | None = None) -> Figure:
+def colour_map(keys: Sequence[str]) -> dict[str, str]:
+  """One colour per key for a whole figure, in the order given: matplotlib's cycle restarts in every axes,
+  so a series missing from one panel would shift the colours of the rest there."""
+  cycle = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+  return {k: cycle[i % len(cycle)] for i, k in enumerate(dict.fromkeys(keys))}
+
+
+def collective_figure(collective: str, panels: Sequence[Panel], models: Mapping[tuple[str, str], Model] | None = None,
+                      colours: Mapping[str, str] | None = None) -> Figure:
   """busbw (top) and time (bottom) against message size, one column per panel, one line per series.
 
-  The link peak is always drawn: when it is far above the measured busbw (a sweep at 0.6% of an NVLink
-  peak) the busbw axis turns logarithmic instead of dropping the line, since a linear axis scaled to the
-  data would make a tiny fraction of the peak look like saturation. `models` (line label -> alpha-beta fit)
-  adds the fitted time as a dashed line on the time panel, with a poor fit named on the panel."""
+  The link peak is always drawn where it is known, and a line without one says so in its legend: when the peak
+  is far above the measured busbw (a sweep at 0.6% of an NVLink peak) the busbw axis turns logarithmic instead
+  of dropping the line, since a linear axis scaled to the data would make a tiny fraction of the peak look like
+  saturation. `models` ((panel title, line label) -> alpha-beta fit) adds the fitted time as a dashed line on
+  the time panel, a poor fit named there; the x label mentions the dashed fit only where one is drawn.
+  `colours` (line label -> colour) keeps a series' colour the same in every panel. Records carrying the fabric
+  model's `expected_busbw_gbps` get it dotted beside their busbw, said in the busbw label only where drawn (and,
+  like the peak, far above the measured busbw it turns the axis logarithmic)."""
   cols = len(panels)
   fig = Figure(figsize=(5.2 * cols, 6.4), dpi=DPI, layout="constrained")
   axes = fig.subplots(2, cols, squeeze=False, sharex="col")
@@ -48,34 +65,45 @@ def collective_figure(collective: str, panels: Sequence[Panel],
     top = max((r["busbw_gbps"] for _, recs, _ in lines for r in recs), default=0.0)
     far = False
     poor = []
+    fitted = expected = False
     for label, recs, peak in lines:
       xs = [r["bytes"] for r in recs]
-      model = (models or {}).get(label)
-      shown = label + (f", peak {peak:.4g} GB/s" if peak else "")
-      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=shown)
+      model = (models or {}).get((title, label))
+      known = peak if isinstance(peak, (int, float)) and peak > 0 else None
+      shown = label + (f", peak {known:.4g} GB/s" if known else f", {peak or NO_PEAK}")
+      colour = (colours or {}).get(label)
+      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=shown, color=colour)
       tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=shown, color=line.get_color())
-      if peak:
-        bw.axhline(peak, linestyle="--", linewidth=1, color=line.get_color(), label="_peak")
-        far = far or peak > PEAK_SPAN * top
+      if known:
+        bw.axhline(known, linestyle="--", linewidth=1, color=line.get_color(), label="_peak")
+        far = far or known > PEAK_SPAN * top
+      ex = [(r["bytes"], r["expected_busbw_gbps"]) for r in recs if (r.get("expected_busbw_gbps") or 0) > 0]
+      if ex:  # the fabric model's busbw for the same points (fabric/expected.py), where it applies
+        bw.plot([x for x, _ in ex], [y for _, y in ex], linestyle=":", linewidth=1.5, color=line.get_color(),
+                label="_expected")
+        expected = True
+        far = far or max(y for _, y in ex) > PEAK_SPAN * top
       if model and xs:
         alpha, beta, why = model
         fx = sorted(xs)
         tm.plot(fx, [alpha + (0.0 if beta is None else x / (beta * 1e3)) for x in fx], linestyle="--",
                 linewidth=1, color=line.get_color(), label="_fit")
+        fitted = True
         if why:
           poor.append(f"poor fit {label}: {why}")
     if far:
       bw.set_yscale("log")
-      bw.set_ylabel("busbw (GB/s, log: peak far above)")
+      bw.set_ylabel("busbw (GB/s, log: peak far above)" + (f"; {EXPECTED_NOTE}" if expected else ""))
     else:
       bw.set_ylim(bottom=0)
-      bw.set_ylabel("busbw (GB/s)")
-    if poor:
-      tm.text(0.02, 0.98, "\n".join(poor), transform=tm.transAxes, fontsize=7, va="top", color="red")
+      bw.set_ylabel("busbw (GB/s)" + (f"; {EXPECTED_NOTE}" if expected else ""))
+    if poor:  # wrapped to the panel: constrained layout squeezed the axes to nothing beside one long line
+      note = "\n".join(textwrap.fill(p, NOTE_CHARS, subsequent_indent="  ") for p in poor)
+      tm.text(0.02, 0.98, note, transform=tm.transAxes, fontsize=7, va="top", color="red", in_layout=False)
     bw.set_title(title, fontsize=10)
     tm.set_ylabel("time (us)")
     tm.set_yscale("log")
-    tm.set_xlabel("message size S (bytes); dashed: alpha-beta fit")
+    tm.set_xlabel("message size S (bytes)" + (f"; {FIT_NOTE}" if fitted else ""))
     for ax in (bw, tm):
       _size_axis(ax)
     if lines:
@@ -92,12 +120,14 @@ class _PlainLogFormatter(ticker.LogFormatter):
 
 def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: tuple[int, int] = (1, 1)) -> Figure:
   """Run(s) B over run(s) A time per point (tables.RATIO_HEADERS rows), one panel per collective, with each
-  point's interval as an error bar and changed points (interval excludes 1) ringed; the title says what
-  noise the intervals hold (`runs`: runs on side A and B)."""
+  point's interval as an error bar and changed points (interval excludes 1) ringed, a series (scope, dtype,
+  group size) one colour in every panel; the title says what noise the intervals hold (`runs`: runs on side A
+  and B)."""
   by_coll: dict[str, dict[str, list[tuple[Any, ...]]]] = {}
   for r in rows:
     coll, scope, dtype, n = r[:4]
     by_coll.setdefault(coll, {}).setdefault(f"{scope}/{dtype} (n={n})", []).append(r)
+  colours = colour_map([label for series in by_coll.values() for label in series])  # one scope, one colour
   cols = min(3, max(1, len(by_coll)))
   nrows = max(1, -(-len(by_coll) // cols))
   fig = Figure(figsize=(5.0 * cols, 3.6 * nrows), dpi=DPI, layout="constrained")
@@ -111,7 +141,7 @@ def ratio_figure(base: str, other: str, rows: Sequence[tuple[Any, ...]], runs: t
       pts.sort(key=lambda p: p[4])
       xs = [p[4] for p in pts]
       ys = [p[7] for p in pts]
-      (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label)
+      (line,) = ax.plot(xs, ys, marker="o", markersize=3, label=label, color=colours.get(label))
       with_ci = [p for p in pts if p[11] is not None]
       if with_ci:
         ax.errorbar([p[4] for p in with_ci], [p[7] for p in with_ci],
