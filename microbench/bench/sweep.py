@@ -22,7 +22,7 @@ from microbench.cluster import distributed
 from microbench.fabric import expected as fabric_expected
 from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog, deadline
-from microbench.output import run_folder, table
+from microbench.output import rank_times, run_folder, table
 from microbench.output.run_folder import point_keys
 from microbench.target import compile_only
 
@@ -86,12 +86,13 @@ def _gather(values: np.ndarray) -> np.ndarray:
 
 
 def _spread(per_proc: np.ndarray) -> dict[str, Any]:
-  """Cross-process spread of per-process median per-operation times ([process, sample])."""
+  """Cross-process spread of per-process median per-operation times ([process, sample], seconds), and every
+  process's own times, compact (rank_times: `microbench-report --ranks` names the slow process and node)."""
   proc_medians = np.median(per_proc, axis=1)
   med = float(np.median(per_proc.max(axis=0)))
   spread = float((proc_medians.max() - proc_medians.min()) / med) if med > 0 else 0.0
   return {"time_spread": spread, "straggler": bool(spread > STRAGGLER_SPREAD),
-          "slowest_rank": int(proc_medians.argmax())}
+          "slowest_rank": int(proc_medians.argmax()), **rank_times.encode(per_proc * 1e6)}
 
 
 def difference_stats(t_short: np.ndarray, t_long: np.ndarray, reps_short: int, reps_long: int) -> dict[str, Any]:

@@ -32,6 +32,10 @@ flags.DEFINE_list("nccl_tests", [], "nccl-tests output to set beside the run(s),
                   " log or its -J JSON file (COLLECTIVE where it does not name its binary, e.g. all_reduce=ar.log):"
                   " the busbw ratio per size with its interval, written to OUT/nccl_tests.md, OUT/nccl_tests.png"
                   " and the TensorBoard run OUT/nccl-tests.")
+flags.DEFINE_bool("ranks", False, "Every rank of one sweep (RUN_DIR): a heat map of process x size (each"
+                  " process's median time / the point's median over processes) and per host, and a table of the"
+                  " processes slower than the others, with their interval and whether that is beyond noise:"
+                  " OUT/ranks.md and OUT/ranks.png. Host timers: per GPU only with one GPU per process.")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
@@ -95,6 +99,8 @@ def main(argv: list[str]) -> int:
   paths = argv[1:]
   if FLAGS.fabric:
     return _fabric_predictions(paths, _sizes(FLAGS.predict))
+  if FLAGS.ranks:
+    return _ranks(paths)
   if not paths:
     raise app.UsageError("give one or more run folders: microbench-report RUN_DIR [RUN_DIR ...] [--out=DIR]"
                          f" (repeated runs per side: A1 A2 {SIDES} B1 B2)")
@@ -137,6 +143,28 @@ def main(argv: list[str]) -> int:
   if FLAGS.nccl_tests:
     _beside_nccl_tests([r for sweep in report.sweeps for r in sweep.records], theirs, out)
   _beside_nccl_log(report.sweeps, out)
+  return 0
+
+
+def _ranks(paths: list[str]) -> int:
+  """`--ranks RUN_DIR`: per-process and per-node figures of one sweep."""
+  if len(paths) != 1 or paths[0] == SIDES:
+    raise app.UsageError(f"--ranks takes one sweep's run folder, got {len(paths)}: microbench-report --ranks RUN_DIR")
+  try:
+    import matplotlib  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise app.UsageError("--ranks draws with matplotlib, which is not installed: pip install -e '.[report]'") from None
+  from microbench.report import ranks  # pylint: disable=g-import-not-at-top
+  out = FLAGS.out or os.path.join(paths[0], "report")
+  try:
+    text, fig = ranks.report(paths[0], out)
+  except ranks.RanksError as e:
+    raise app.UsageError(str(e)) from None
+  except OSError as e:
+    raise app.UsageError(f"{e.filename or out}: {e.strerror or e}") from None
+  print(text)
+  if fig:
+    print(f"microbench-report: wrote {ranks.MARKDOWN} and {ranks.FIGURE} to {os.path.abspath(out)}")
   return 0
 
 
