@@ -30,7 +30,7 @@ LAYER = {
     "microbench.hlo": 4, "microbench.output": 4, "microbench.cluster": 4,
     "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
     "microbench.bench": 6, "microbench.train": 6,
-    "microbench.study": 7,
+    "microbench.study": 7, "microbench.doctor": 7,
     "microbench.cli": 8, "microbench": 8,  # microbench/__init__ and __main__ (python -m microbench)
 }
 
@@ -177,7 +177,7 @@ def test_console_scripts_start_from_the_install():
   with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
     scripts = tomllib.load(f)["project"]["scripts"]
   assert set(scripts) == {"microbench", "microbench-train", "microbench-launch", "microbench-testbed",
-                          "microbench-report", "microbench-study"}
+                          "microbench-report", "microbench-study", "microbench-doctor"}
   for name, target in scripts.items():
     module, func = target.split(":")
     # Each command defines its own flags, so each is imported in its own process.

@@ -3,6 +3,7 @@ links (flags and modes only; the work is in microbench.cluster.testbed and .test
 
 One-shot (build, run one job with process i in host i, remove everything):
   microbench-testbed --hosts=2 --host_rate=200mbit [--host_delay=1ms] -- python -m microbench ...
+  microbench-testbed --hosts=4 --racks=2 --host_rate=200mbit --fault=h3:rate=0.25 -- microbench-doctor ...
   microbench-testbed --hosts=4 --racks=2 --host_rate=400mbit --uplink_rate=100mbit -- <command ...>
 Long-lived, for several concurrent jobs (multi-tenancy):
   microbench-testbed up --hosts=4 --host_rate=200mbit [--id=tbNAME]      # prints the id and state file
@@ -43,6 +44,10 @@ flags.DEFINE_string("uplink_delay", "", "Rack-to-core uplink one-way delay; need
 flags.DEFINE_enum("queue", "fifo", rates.QUEUES, "Each shaped link's queue: fifo (tbf's 50 ms drop-tail queue, "
                   "which TCP fills) or fair (a queue per host pair served in turn, as a switch port arbitrating "
                   "between flows; at most 64 hosts).")
+flags.DEFINE_multi_string("fault", [], "A link fault to plant (repeatable): PART:KEY=VALUE[,KEY=VALUE], PART h<i> "
+                          "(host i's link) or uplink<r> (rack r's uplink), keys rate (a fraction like 0.25, or a "
+                          "tc rate like 50mbit), loss (a percentage like 2%), delay (like 5ms; needs sch_netem); "
+                          "both directions. E.g. --fault=h3:rate=0.25 --fault=uplink1:loss=2%.")
 flags.DEFINE_integer("devices_per_process", 1, "CPU devices per process (JAX_NUM_CPU_DEVICES).", lower_bound=1)
 flags.DEFINE_string("id", None, "Testbed id (tb + up to 12 of [0-9a-z]). up: default random; run/down: which one.")
 flags.DEFINE_string("state", None, "State file (default /tmp/microbench-testbed-<id>.json).")
@@ -68,7 +73,8 @@ def _shape_kwargs() -> dict:
   try:
     return dict(host_rate=rates.parse_rate(FLAGS.host_rate), host_delay_us=rates.parse_delay(FLAGS.host_delay),
                 uplink_rate=rates.parse_rate(FLAGS.uplink_rate),
-                uplink_delay_us=rates.parse_delay(FLAGS.uplink_delay), queue=FLAGS.queue)
+                uplink_delay_us=rates.parse_delay(FLAGS.uplink_delay), queue=FLAGS.queue,
+                faults=tuple(FLAGS.fault))
   except ValueError as e:
     raise app.UsageError(str(e)) from e
 
@@ -208,6 +214,8 @@ def main(argv: list[str]) -> int:
   mode = args.pop(0) if args and args[0] in MODES else None
   if args:
     raise app.UsageError(f"unexpected arguments {args}; modes are {'/'.join(MODES)}; put the command after --")
+  if FLAGS.fault and mode in ("run", "down"):
+    raise app.UsageError(f"--fault is planted when the testbed is built (up, or the one-shot form), not by {mode}")
   problem = tbm.permission_problem()
   if problem:
     say(problem)

@@ -8,6 +8,11 @@ bridge joins a `core` bridge through a veth uplink. Every link is shaped in both
 tbf for the rate and, when a delay is asked for, a netem child for the delay (each link end's egress,
 so a link's one-way delay is the given delay and host-to-host in one rack crosses two links).
 
+Faults (`faults`, `parse_faults`): one host link or rack uplink shaped to a fraction of its rate, given a delay,
+or given loss, so that a tool finding slow parts (microbench-doctor) has something real to find. Loss needs no
+netem: a u32 filter on the IP ID's low bits sends that fraction of frames to a queue of length 0 (IDs count
+up per frame, so every host sends frames unsegmented when a loss fault exists).
+
 Names carry a random id (`tb<id>`), the state lives in a JSON file, and `down()` removes everything by
 name prefix, so a crashed `up` or a killed job leaves nothing behind once `down` runs.
 
@@ -31,7 +36,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
+from microbench.fabric import rates as rates_mod
 from microbench.fabric.rates import QUEUES, gbytes_per_s
 
 NETNS_ETC = "/etc/netns"
@@ -44,6 +51,117 @@ MAX_HOSTS = 1000
 
 class TestbedError(Exception):
   """A one-line, user-facing reason why the testbed could not be built, used or removed."""
+
+
+FAULT_KEYS = ("rate", "loss", "delay")
+LOSS_STEPS = 1024  # loss is a multiple of 1/1024: one u32 filter per set bit of round(p * 1024)
+_PART_RE = re.compile(r"^(h|uplink)([0-9]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFault:
+  """A fault planted on one link (both directions): `part` is `h<i>` (host i's link) or `uplink<r>` (rack r's
+  uplink); its rate scaled by `rate_fraction` or set to `rate_bits`, `delay_us` added, `loss_pct` of frames
+  dropped."""
+  part: str
+  rate_fraction: float | None = None
+  rate_bits: int | None = None
+  loss_pct: float = 0.0
+  delay_us: int = 0
+
+  def text(self) -> str:
+    out = []
+    if self.rate_fraction is not None:
+      out.append(f"rate x{self.rate_fraction:g}")
+    if self.rate_bits is not None:
+      out.append(f"rate {self.rate_bits / 1e6:g} Mbit/s")
+    if self.loss_pct:
+      out.append(f"loss {self.loss_pct:g}%")
+    if self.delay_us:
+      out.append(f"delay +{self.delay_us} us")
+    return f"{self.part}: {', '.join(out)}"
+
+
+FAULT_SYNTAX = ("want PART:KEY=VALUE[,KEY=VALUE], PART h<i> (a host link) or uplink<r> (a rack uplink), keys rate"
+                " (a fraction in (0, 1] like 0.25, or a tc rate like 50mbit), loss (a percentage like 2%),"
+                " delay (like 5ms); e.g. h3:rate=0.25, uplink1:loss=2%, h5:delay=5ms")
+
+
+def parse_faults(specs: Sequence[str]) -> dict[str, LinkFault]:
+  """`h3:rate=0.25`, `uplink1:loss=2%`, `h5:delay=5ms,rate=0.5` (repeatable; one part's specs merge) -> faults
+  by part. ValueError, one line, names the bad spec and says what is allowed."""
+  merged: dict[str, dict] = {}
+  for spec in specs:
+    part, colon, rest = spec.strip().partition(":")
+    m = _PART_RE.match(part.strip().lower())
+    if not colon or not m or not rest.strip():
+      raise ValueError(f"bad fault {spec!r}: {FAULT_SYNTAX}")
+    part = f"{m.group(1)}{int(m.group(2))}"
+    kw = merged.setdefault(part, {})
+    for item in rest.split(","):
+      key, eq, value = (x.strip().lower() for x in item.partition("="))
+      if not eq or key not in FAULT_KEYS or not value:
+        raise ValueError(f"bad fault {spec!r}: {FAULT_SYNTAX}")
+      if key in kw or (key == "rate" and ("rate_fraction" in kw or "rate_bits" in kw)):
+        raise ValueError(f"fault {spec!r}: {part} is given {key} twice")
+      try:
+        if key == "rate":
+          if re.fullmatch(r"[0-9]*\.?[0-9]+", value):
+            frac = float(value)
+            if not 0 < frac <= 1:
+              raise ValueError(f"a rate fraction must be in (0, 1], got {value}")
+            kw["rate_fraction"] = frac
+          else:
+            kw["rate_bits"] = rates_mod.parse_rate(value)
+            if kw["rate_bits"] is None:
+              raise ValueError("a rate of 0 is a cut link, not a slow one")
+        elif key == "loss":
+          m_loss = re.fullmatch(r"([0-9]*\.?[0-9]+)%", value)
+          pct = float(m_loss.group(1)) if m_loss else -1.0
+          if not 0 < pct <= 50 or round(pct / 100 * LOSS_STEPS) < 1:
+            raise ValueError(f"loss must be a percentage in [0.1%, 50%], got {value!r}")
+          kw["loss_pct"] = pct
+        else:
+          kw["delay_us"] = rates_mod.parse_delay(value)
+          if kw["delay_us"] <= 0:
+            raise ValueError(f"a delay must be positive, got {value!r}")
+      except ValueError as e:
+        raise ValueError(f"bad fault {spec!r}: {e}") from None
+  return {part: LinkFault(part, **kw) for part, kw in merged.items()}
+
+
+def loss_filter_lines(dev: str, loss_pct: float, flowid: str, prio: int = 1) -> list[str]:
+  """`tc -batch` filter lines sending `loss_pct`% of IPv4 frames to `flowid` (a class whose queue drops all):
+  for each set bit of n = round(p * 1024), the frames whose IP ID has its lowest set bit at one position, a
+  disjoint 2^-j of all IDs. IDs count up by one per frame, so the loss is spread evenly over each flow."""
+  n = round(loss_pct / 100 * LOSS_STEPS)
+  lines = []
+  for b in range(10):
+    if n >> b & 1:
+      j = 10 - b  # this bit is 2^-j of all IDs: the lowest j bits are 1 followed by j - 1 zeros
+      lines.append(f"filter add dev {dev} parent 1: protocol ip prio {prio} u32 match u16 0x{1 << (j - 1):04x}"
+                   f" 0x{(1 << j) - 1:04x} at 4 flowid {flowid}")
+  return lines
+
+
+DROP_CLASS = "fff0"  # the class whose queue (length 0) drops what a loss filter sends it
+
+
+def lossy_fifo_commands(dev: str, rate_bits: int | None, delay_us: int, loss_pct: float) -> list[str]:
+  """`tc -batch` lines for a FIFO link end with loss: an HTB root whose default class passes everything (its
+  child the same tbf / netem `shape_commands` would put at the root) and a drop class fed by the loss filters."""
+  lines = [f"qdisc add dev {dev} root handle 1: htb default 2",
+           f"class add dev {dev} parent 1: classid 1:2 htb rate 100gbit quantum 65536"]
+  if rate_bits:
+    burst = max(32 * 1024, rate_bits // 8 // 500)
+    lines.append(f"qdisc add dev {dev} parent 1:2 handle 2: tbf rate {rate_bits}bit burst {burst} latency 50ms")
+    if delay_us:
+      lines.append(f"qdisc add dev {dev} parent 2:1 handle 10: netem delay {delay_us}us limit 100000")
+  elif delay_us:
+    lines.append(f"qdisc add dev {dev} parent 1:2 handle 2: netem delay {delay_us}us limit 100000")
+  lines += [f"class add dev {dev} parent 1: classid 1:{DROP_CLASS} htb rate 100gbit quantum 65536",
+            f"qdisc add dev {dev} parent 1:{DROP_CLASS} handle {DROP_CLASS}: pfifo limit 0"]
+  return lines + loss_filter_lines(dev, loss_pct, f"1:{DROP_CLASS}")
 
 
 def shape_commands(ns: str, dev: str, rate_bits: int | None, delay_us: int) -> list[list[str]]:
@@ -77,7 +195,7 @@ MAX_FAIR_HOSTS = 64  # fair queues classify every host pair on every link: N^2 f
 
 
 def fair_commands(ns: str, dev: str, rate_bits: int, delay_us: int,
-                  pairs: list[tuple[str, str]]) -> list[str]:
+                  pairs: list[tuple[str, str]], loss_pct: float = 0.0) -> list[str]:
   """`tc -batch` lines giving `dev`'s egress one queue per host pair (src, dst addresses) crossing it, served
   in turn at the link's rate: HTB, one leaf per pair with an even guaranteed share and the whole link as its
   ceiling, equal quanta (so active pairs split what idle ones leave evenly), u32 filters on the addresses.
@@ -85,7 +203,8 @@ def fair_commands(ns: str, dev: str, rate_bits: int, delay_us: int,
   This is a switch port that arbitrates between flows: concurrent host pairs share the link max-min fairly
   whatever their paths and RTTs, and one pair's backlog (50 ms at the link rate, as tbf's queue) delays
   nobody else's packets, ACKs included. fq_codel would do it per TCP flow, but minimal kernels (this lab's
-  VM) have only tbf, htb, netem and the fifos.
+  VM) have only tbf, htb, netem and the fifos. With `loss_pct`, the loss filters come first (same priority,
+  added earlier: u32 tries them first) and feed a drop class.
   """
   burst = max(32 * 1024, rate_bits // 8 // 500)  # as tbf's: 2 ms at line rate
   limit = max(burst, rate_bits // 8 // 20)  # 50 ms at line rate
@@ -95,6 +214,10 @@ def fair_commands(ns: str, dev: str, rate_bits: int, delay_us: int,
            f"class add dev {dev} parent 1: classid 1:1 htb rate {rate_bits}bit ceil {rate_bits}bit "
            f"burst {burst} cburst {burst}"]
   queue = (f"netem delay {delay_us}us limit 100000" if delay_us else f"bfifo limit {limit}")
+  if loss_pct:
+    lines += [f"class add dev {dev} parent 1: classid 1:{DROP_CLASS} htb rate 100gbit quantum 65536",
+              f"qdisc add dev {dev} parent 1:{DROP_CLASS} handle {DROP_CLASS}: pfifo limit 0"]
+    lines += loss_filter_lines(dev, loss_pct, f"1:{DROP_CLASS}")
   for k, (src, dst) in enumerate([("", "")] + list(pairs)):
     cid = f"{k + 2:x}"
     lines.append(f"class add dev {dev} parent 1:1 classid 1:{cid} htb {leaf}")
@@ -148,6 +271,7 @@ class Testbed:
   uplink_rate: int | None = None
   uplink_delay_us: int = 0
   queue: str = "fifo"  # each shaped link's queue: fifo (tbf's 50 ms drop-tail) or fair (one per host pair)
+  faults: tuple[str, ...] = ()  # planted link faults as written (parse_faults): h3:rate=0.25, uplink1:loss=2%
   state_path: str = ""
   created: bool = False
 
@@ -163,8 +287,39 @@ class Testbed:
     if self.queue == "fair" and self.hosts > MAX_FAIR_HOSTS:
       raise ValueError(f"--queue=fair classifies every host pair on every link: at most {MAX_FAIR_HOSTS} hosts,"
                        f" got {self.hosts}")
+    self.faults = tuple(self.faults)
+    for part, fault in self.link_faults().items():
+      kind, index = _PART_RE.match(part).groups()
+      if kind == "h" and int(index) >= self.hosts:
+        raise ValueError(f"fault on {part}: there are {self.hosts} hosts, h0..h{self.hosts - 1}")
+      if kind == "uplink" and (self.racks < 2 or int(index) >= self.racks):
+        raise ValueError(f"fault on {part}: " + (f"there are {self.racks} racks, uplink0..uplink{self.racks - 1}"
+                                                 if self.racks > 1 else "one rack has no uplink (--racks >= 2)"))
+      base = self.host_rate if kind == "h" else self.uplink_rate
+      if fault.rate_fraction is not None and not base:
+        raise ValueError(f"fault on {part}: rate={fault.rate_fraction:g} is a fraction of the link's rate, and the"
+                         f" link is unshaped; give --{'host' if kind == 'h' else 'uplink'}_rate or an absolute"
+                         f" rate (rate=50mbit)")
     if not self.state_path:
       self.state_path = state_path_for(self.prefix)
+
+  def link_faults(self) -> dict[str, LinkFault]:
+    """The planted faults by part (`h<i>`, `uplink<r>`); ValueError for a spec that does not parse."""
+    return parse_faults(self.faults)
+
+  def link(self, part: str) -> tuple[int | None, int, float]:
+    """(rate in bits/s or None, one-way delay in us, loss %) of a link, `h<i>` or `uplink<r>`, faults applied."""
+    host = part.startswith("h")
+    rate = self.host_rate if host else self.uplink_rate
+    delay = self.host_delay_us if host else self.uplink_delay_us
+    fault = self.link_faults().get(part)
+    if not fault:
+      return rate, delay, 0.0
+    if fault.rate_fraction is not None:
+      rate = max(8000, int(rate * fault.rate_fraction))
+    elif fault.rate_bits is not None:
+      rate = fault.rate_bits
+    return rate, delay + fault.delay_us, fault.loss_pct
 
   @classmethod
   def new(cls, **kwargs) -> Testbed:
@@ -237,9 +392,14 @@ class Testbed:
     sw = self.switch_ns
     _run(["ip", "netns", "add", sw])
     _run(["ip", "-n", sw, "link", "set", "lo", "up"])
+    faults = self.link_faults()
     if (self.host_delay_us or self.uplink_delay_us) and not self._netem_available():
       raise TestbedError("delays need the netem qdisc (sch_netem), which this kernel lacks; drop "
                          "--host_delay/--uplink_delay or use a kernel with netem")
+    if any(f.delay_us for f in faults.values()) and not self._netem_available():
+      raise TestbedError("a delay fault needs the netem qdisc (sch_netem), which this kernel lacks; plant a rate"
+                         " or loss fault instead, or use a kernel with netem")
+    lossy = any(f.loss_pct for f in faults.values())
     for r in range(self.racks):
       self._bridge(f"br{r}")
     if self.racks > 1:
@@ -252,7 +412,7 @@ class Testbed:
         outside = [self.addr(i) for i in range(self.hosts) if self.rack_of(i) != r]
         for dev, pairs in ((f"up{r}", [(a, b) for a in inside for b in outside]),  # rack -> core
                            (f"dn{r}", [(b, a) for a in inside for b in outside])):  # core -> rack
-          self._shape(sw, dev, self.uplink_rate, self.uplink_delay_us, pairs)
+          self._shape(sw, dev, *self.link(f"uplink{r}"), pairs)
     os.makedirs(NETNS_ETC, exist_ok=True)
     for i in range(self.hosts):
       ns = self.host_ns(i)
@@ -269,24 +429,33 @@ class Testbed:
       if self.queue == "fair":  # packets no larger than a fair queue's turn, on both ends of the host link
         for where, dev in ((ns, "eth0"), (sw, f"h{i}")):
           _run(["ip", "-n", where, "link", "set", dev, "gso_max_size", str(FAIR_TURN_BYTES)])
+      if lossy:  # one frame per packet the queues see, so a loss filter's share of IP IDs is a share of frames
+        _run(["ip", "-n", ns, "link", "set", "eth0", "gso_max_segs", "1"])
       _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
       others = [self.addr(j) for j in range(self.hosts) if j != i]
-      self._shape(ns, "eth0", self.host_rate, self.host_delay_us, [(self.addr(i), b) for b in others])  # out
-      self._shape(sw, f"h{i}", self.host_rate, self.host_delay_us, [(b, self.addr(i)) for b in others])  # in
+      self._shape(ns, "eth0", *self.link(f"h{i}"), [(self.addr(i), b) for b in others])  # out
+      self._shape(sw, f"h{i}", *self.link(f"h{i}"), [(b, self.addr(i)) for b in others])  # in
 
-  def _shape(self, ns: str, dev: str, rate: int | None, delay_us: int, pairs: list[tuple[str, str]]) -> None:
-    """Shapes one link end's egress: tbf's fifo, or (`queue` fair, with a rate) a queue per host pair."""
+  def _shape(self, ns: str, dev: str, rate: int | None, delay_us: int, loss_pct: float,
+             pairs: list[tuple[str, str]]) -> None:
+    """Shapes one link end's egress: tbf's fifo, or (`queue` fair, with a rate) a queue per host pair; with
+    loss, a drop class fed by the loss filters beside either."""
+    lines = None
     if self.queue == "fair" and rate:
-      path = os.path.join(STATE_DIR, f"microbench-testbed-{self.prefix}-{ns}-{dev}.tc")
-      with open(path, "w", encoding="ascii") as f:
-        f.write("\n".join(fair_commands(ns, dev, rate, delay_us, pairs)) + "\n")
-      try:
-        _run(["tc", "-n", ns, "-batch", path])
-      finally:
-        os.remove(path)
+      lines = fair_commands(ns, dev, rate, delay_us, pairs, **({"loss_pct": loss_pct} if loss_pct else {}))
+    elif loss_pct:
+      lines = lossy_fifo_commands(dev, rate, delay_us, loss_pct)
+    if lines is None:
+      for cmd in shape_commands(ns, dev, rate, delay_us):
+        _run(cmd)
       return
-    for cmd in shape_commands(ns, dev, rate, delay_us):
-      _run(cmd)
+    path = os.path.join(STATE_DIR, f"microbench-testbed-{self.prefix}-{ns}-{dev}.tc")
+    with open(path, "w", encoding="ascii") as f:
+      f.write("\n".join(lines) + "\n")
+    try:
+      _run(["tc", "-n", ns, "-batch", path])
+    finally:
+      os.remove(path)
 
   def _bridge(self, name: str) -> None:
     sw = self.switch_ns
@@ -337,6 +506,9 @@ class Testbed:
       text += f"; uplinks {link(self.uplink_rate, self.uplink_delay_us)}"
     if self.queue == "fair":
       text += "; fair queues (one per host pair on every shaped link)"
+    faults = self.link_faults()
+    if faults:
+      text += "; faults: " + "; ".join(f.text() for f in faults.values())
     return text
 
 

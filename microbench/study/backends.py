@@ -111,7 +111,8 @@ class TestbedBackend(Backend):
       raise BackendError(problem)
     try:
       bed = tbm.Testbed.new(hosts=m.nodes, racks=racks, host_rate=rates.parse_rate(m.host_rate),
-                            uplink_rate=rates.parse_rate(m.uplink_rate) if racks > 1 else None, queue=m.queue)
+                            uplink_rate=rates.parse_rate(m.uplink_rate) if racks > 1 else None, queue=m.queue,
+                            faults=m.faults)
     except ValueError as e:
       raise BackendError(str(e)) from None
     self.bed = bed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from microbench.cluster import testbed as tbm
 from microbench.fabric import description as fd
 from microbench.study import workloads as wl
 from microbench.fabric import rates
@@ -53,6 +54,7 @@ class Machine:
   host_rate: str = ""
   uplink_rate: str = ""
   queue: str = "fifo"  # each shaped link's queue (rates.QUEUES): fifo, or fair (one per host pair)
+  faults: tuple[str, ...] = ()  # planted link faults, microbench-testbed --fault syntax (`fault=h3:rate=0.25`)
 
   @property
   def q1(self) -> int:
@@ -114,6 +116,7 @@ class Machine:
     fields = {f.name for f in dataclasses.fields(cls)}
     kw = {k: v for k, v in d.items() if k in fields}
     kw["layout"] = tuple(tuple(x) for x in kw.get("layout", ()))
+    kw["faults"] = tuple(kw.get("faults", ()))
     return cls(**kw)
 
 
@@ -144,7 +147,7 @@ PRESETS: dict[str, dict] = {
 }
 _INT_KEYS = ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes", "g_min", "racks", "hosts_per_rack",
              "groups", "class_q2_gpus", "class_q3_gpus")
-_KEYS = _INT_KEYS + ("gpu", "size_table", "host_rate", "uplink_rate", "queue")
+_KEYS = _INT_KEYS + ("gpu", "size_table", "host_rate", "uplink_rate", "queue", "fault")
 
 
 def parse(spec: str, node_map: str | None = None,
@@ -169,6 +172,8 @@ def parse(spec: str, node_map: str | None = None,
         raise MachineError(f"machine option {key}={value!r} must be an integer") from None
       if kw[key] < 1:
         raise MachineError(f"machine option {key}={value} must be >= 1")
+    elif key == "fault":  # repeatable, one per part (several keys of one part: repeat it, they merge)
+      kw["faults"] = kw.get("faults", ()) + (value,)
     else:
       kw[key] = value
   if name == "testbed":  # racks x hosts per rack, racks split evenly into (logical) groups
@@ -181,8 +186,14 @@ def parse(spec: str, node_map: str | None = None,
     kw["nodes"] = racks * kw["nodes_per_l1"]
     if kw.get("queue", "fifo") not in rates.QUEUES:
       raise MachineError(f"testbed queue={kw['queue']!r}: choose one of {', '.join(rates.QUEUES)}")
-  elif {"racks", "hosts_per_rack", "groups", "queue"} & set(kw):
-    raise MachineError("racks, hosts_per_rack, groups and queue describe the testbed machine only")
+    try:  # faults: the testbed's own check (syntax, parts that exist, a rate fraction of a shaped link)
+      if kw.get("faults"):
+        tbm.Testbed(prefix="tbcheck", hosts=kw["nodes"], racks=racks, host_rate=rates.parse_rate(kw["host_rate"]),
+                    uplink_rate=rates.parse_rate(kw["uplink_rate"]) if racks > 1 else None, faults=kw["faults"])
+    except ValueError as e:
+      raise MachineError(f"testbed {e}") from None
+  elif {"racks", "hosts_per_rack", "groups", "queue", "faults"} & set(kw):
+    raise MachineError("racks, hosts_per_rack, groups, queue and fault describe the testbed machine only")
   missing = [k for k in ("gpus_per_node", "nodes_per_l1", "l1_per_group", "nodes") if k not in kw]
   if missing:
     raise MachineError(f"custom machine needs {', '.join(missing)}")
