@@ -112,7 +112,7 @@ def test_distributed_detects_slurm_under_srun(slurm, tmp_path):
 
 @needs_slurm
 def test_sbatch_templates(slurm, tmp_path):
-  """The scale-up, scale-out and rack-scale templates as written, with tiny sizes, submitted together (each asks
+  """The scale-up, scale-out, rack-scale and per-node templates as written, with tiny sizes, submitted together (each asks
   for whole nodes, so SLURM runs them as nodes free up); 2 CPU devices stand in for a node's GPUs in scale-up,
   and the rack-scale sweep is told the testbed's racks (2 nodes each)."""
   jobs = {
@@ -125,6 +125,9 @@ def test_sbatch_templates(slurm, tmp_path):
       "rack": slurm.submit(["--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
                             f"--output={tmp_path}/rack.out", "scripts/slurm_rack_scale.sbatch", *TINY,
                             "--nodes_per_rack=2", f"--outdir={tmp_path}/rack"], cwd=REPO, env=clean_env()),
+      "pernode": slurm.submit(["--nodes=2", "--gpus-per-node=2", "--cpus-per-task=1",
+                               f"--output={tmp_path}/pernode.out", "scripts/slurm_per_node.sbatch", *TINY,
+                               f"--outdir={tmp_path}/pernode"], cwd=REPO, env=clean_env(JAX_NUM_CPU_DEVICES="2")),
   }
   for name, job in jobs.items():
     state, code = slurm.wait(job, timeout=240)
@@ -133,6 +136,9 @@ def test_sbatch_templates(slurm, tmp_path):
   assert meta["up"]["process_count"] == 1 and meta["up"]["status"] == "finished"
   assert meta["out"]["process_count"] == 4 and meta["out"]["topology"]["nodes"] == 2
   assert meta["rack"]["process_count"] == 4 and meta["rack"]["topology"]["racks"] == 2
+  # one process per node, each driving both of its node's devices (the binding rule says so)
+  assert meta["pernode"]["process_count"] == 2 and meta["pernode"]["topology"] == {"racks": 1, "nodes": 2, "gpus": 2}
+  assert meta["pernode"]["environment"]["gpu_binding"]["rule"] == "one_per_node"
   assert [p["host"] for p in meta["rack"]["processes"]] == [slurm.bed.host_name(i) for i in range(4)]
   scopes = {row["scope"] for row in records(str(tmp_path / "rack" / "results.jsonl")) if row.get("wrong") == 0}
   assert {"rack_scale", "scale_out"} <= scopes, scopes  # global: the same group as scale_out here
