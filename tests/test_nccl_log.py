@@ -295,21 +295,20 @@ def test_each_point_gets_the_choice_nccl_logged_for_its_collective_and_size():
   assert nccl_log.chosen(_rec("all_gather", 8 * 8388608, 8), old) == ""
 
 
-def test_the_report_writes_the_points_beside_nccls_choices(tmp_path, capsys):
-  from microbench.cli import report  # pylint: disable=g-import-not-at-top
+def test_the_report_writes_the_points_beside_nccls_choices(tmp_path):
   facts = nccl_log.parse(_log("nccl_2.27_efa.log"))
   records = [_rec("all_reduce", 268435456, 16), _rec("all_gather", 16 * 2097152, 16), _rec("ppermute", 8192, 16),
              {**_rec("all_reduce", 8192, 16), "status": "failed"}]
   sweeps = [types.SimpleNamespace(label="a", records=records, meta={"nccl": facts}),
             types.SimpleNamespace(label="b", records=records, meta={}),  # no --nccl_debug: no section
             types.SimpleNamespace(label="c", records=records, meta={"nccl": nccl_log.parse({})})]  # a CPU run
-  report._beside_nccl_log(sweeps, str(tmp_path))  # pylint: disable=protected-access
+  written = nccl_log.write_beside(sweeps, str(tmp_path))  # what microbench-report prints and writes
   text = (tmp_path / "nccl.md").read_text()
-  assert text.strip() in capsys.readouterr().out
+  assert text == written
   assert "## a" in text and "## b" not in text and "## c" not in text and "NCCL 2.27.7+cuda12.9, network Libfabric" in text
   rows = [l for l in text.splitlines() if l.startswith("| ") and "collective" not in l]
   assert [r.split("|")[-2].strip() for r in rows] == ["nvls_tree/Simple", "ring/Simple", "–"]  # failed: left out
-  report._beside_nccl_log(sweeps[1:], str(tmp_path / "none"))  # pylint: disable=protected-access
+  assert nccl_log.write_beside(sweeps[1:], str(tmp_path / "none")) == ""
   assert not os.path.exists(tmp_path / "none" / "nccl.md")
 
 

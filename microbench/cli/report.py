@@ -172,10 +172,8 @@ def _beside_nccl_log(sweeps: list, out: str) -> None:
   """OUT/nccl.md: each point beside the algorithm/protocol NCCL chose for it, for runs that recorded NCCL's log
   (meta.json's `nccl`, from --nccl_debug); nothing for runs without one."""
   from microbench.report import nccl_log  # pylint: disable=g-import-not-at-top
-  text = nccl_log.beside_markdown([(s.label, s.records, s.meta.get("nccl")) for s in sweeps])
+  text = nccl_log.write_beside(sweeps, out)
   if text:
-    with open(os.path.join(out, "nccl.md"), "w", encoding="utf-8") as f:
-      f.write(text)
     print(text)
 
 

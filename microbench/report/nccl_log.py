@@ -18,8 +18,9 @@ without its newline, one that another process's line cut into, a known line that
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from microbench.report import tables
@@ -345,3 +346,14 @@ def beside_markdown(runs: Iterable[tuple[str, list[dict[str, Any]], Mapping[str,
     parts.append(f"## {label}\n\nNCCL {', '.join(facts.get('versions') or ['?'])}, network"
                  f" {', '.join(facts.get('networks') or ['?'])}; {note}.\n\n" + tables.markdown(BESIDE_HEADERS, rows))
   return "# What NCCL chose beside each point\n\n" + "\n\n".join(parts) + "\n" if parts else ""
+
+
+def write_beside(sweeps: Sequence[Any], out: str) -> str:
+  """OUT/nccl.md from report sweeps (label, records, meta): its text, or "" (and no file) when no run recorded
+  NCCL's log."""
+  text = beside_markdown([(s.label, s.records, s.meta.get("nccl")) for s in sweeps])
+  if text:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "nccl.md"), "w", encoding="utf-8") as f:
+      f.write(text)
+  return text
