@@ -144,6 +144,16 @@ def test_sbatch_templates(slurm, tmp_path):
   assert {"rack_scale", "scale_out"} <= scopes, scopes  # global: the same group as scale_out here
 
 
+def _print_study_logs(log: str, res: str) -> None:
+  """On a failed study: its whole log and the tail of every step's srun log (pytest shows what a failed test
+  printed, whole; an assertion message is cut)."""
+  print(log)
+  for root, _, files in sorted(os.walk(os.path.join(res, "logs"))):
+    for name in sorted(files):
+      with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+        print(f"--- {os.path.join(root, name)}\n{f.read()[-4000:]}")
+
+
 @needs_slurm
 @pytest.mark.parametrize("jobs,shared", [(("dp@0,2", "dp@1,3"), True), (("dp@0,1", "dp@2,3"), False)],
                          ids=["shared_uplinks", "isolated_racks"])
@@ -161,7 +171,9 @@ def test_sbatch_study(slurm, tmp_path, jobs, shared):
                                    "--bytes_scale=0.0015", "--iters=7", "--grace=60", "--small_job_threshold=1"],
                                   cwd=REPO, env=clean_env(), timeout=300)
   log = open(tmp_path / "study.out", encoding="utf-8").read()
-  assert (state, code) == ("COMPLETED", "0:0"), (job, state, log[-3000:])
+  if (state, code) != ("COMPLETED", "0:0"):
+    _print_study_logs(log, res)
+  assert (state, code) == ("COMPLETED", "0:0"), (job, state, code, "the study's log and srun logs are printed above")
   assert "on slurm (4 allocated nodes)" in log
   units = records(os.path.join(res, "units.jsonl"))
   assert [(u["kind"], u["status"]) for u in units] == [("baseline", "done"), ("concurrent", "done")]

@@ -147,6 +147,18 @@ def allocation_hosts() -> list[str]:
   return out.stdout.split()
 
 
+def coordinator_ports() -> tuple[int, int]:
+  """[low, high) for a step's coordinator port: below the kernel's ephemeral range (srun's own I/O sockets
+  and every outgoing connection take ports from it, so a port drawn there can be taken on the step's first
+  host), from 10000 up; the remote host can't be probed before the step runs."""
+  try:
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as f:
+      low = int(f.read().split()[0])
+  except (OSError, ValueError, IndexError):
+    low = 32768
+  return (10000, low) if low > 11000 else (20000, 60000)
+
+
 class SlurmBackend(Backend):
   name = "slurm"
 
@@ -178,7 +190,7 @@ class SlurmBackend(Backend):
     if self._hosts is None:
       self.open()
     os.makedirs(log_dir, exist_ok=True)
-    port = random.Random(f"{tag}-{os.getpid()}").randrange(20000, 60000)
+    port = random.Random(f"{tag}-{os.getpid()}").randrange(*coordinator_ports())
     argv = self.srun_argv(job, command, tag, port)
     env = launch.with_repo_on_path(dict(os.environ, PYTHONUNBUFFERED="1"))
     return [launch.Proc(tag, 0, argv, env, os.path.join(log_dir, "srun.log"))]
