@@ -1,11 +1,17 @@
 """The collectives, each a small unit registered by name.
 
 A collective says how its per-rank buffer relates to nccl-tests' size S, its bus-bandwidth factor, the op
-inside `shard_map`, one repetition `step` on a loop carry (the feedback that makes the next repetition depend
-on this one without copying the S buffer), the HLO op it must compile to on each platform, which family of
-known inputs checks it, and what its output must be: `reference` states it in NumPy on any inputs (the
-readable specification, checked by the tests), `expected` computes any range of one rank's output on the
-known check inputs without building the whole group's inputs (the check streams through it).
+inside `shard_map`, how the timed repetitions feed one another (`feedback`), the HLO op it must compile to on
+each platform, which family of known inputs checks it, and what its output must be: `reference` states it in
+NumPy on any inputs (the readable specification, checked by the tests), `expected` computes any range of one
+rank's output on the known check inputs without building the whole group's inputs (the check streams
+through it).
+
+The timed repetitions: with `feedback = "hold"` every repetition runs the op on the known inputs again (held
+in the carry, made to depend on the previous output through one element whose value does not change), so
+every repetition's output must equal the check program's; with `"chain"` (the output has the input's shape)
+each output is the next input, and `rep_output` says which known buffer repetition k must reproduce. Either
+way every repetition's whole output is folded into a digest the timed check compares (program.py).
 
 Adding one: subclass `Collective`, fill in the few methods, decorate with `@register`.
 """
@@ -13,7 +19,6 @@ Adding one: subclass `Collective`, fill in the few methods, decorate with `@regi
 from __future__ import annotations
 
 import abc
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,17 +78,51 @@ class Collective(abc.ABC):
   def op(self, x: jax.Array, axes: tuple[str, ...], n: int, platform: str) -> jax.Array:
     """The collective itself on this rank's buffer (called inside shard_map on a mesh of `platform`)."""
 
-  def carry(self, x: jax.Array, out_count: int) -> tuple[jax.Array, ...]:
-    """The loop carry the timed repetitions start from."""
-    return (x,)
+  feedback: str = "hold"  # "hold": the inputs stay, the output is kept beside them; "chain": output -> input
+
+  def feedback_on(self, platform: str) -> str:
+    """How the timed repetitions feed one another on `platform`."""
+    return self.feedback
+
+  def carry(self, x: jax.Array, out_count: int, platform: str) -> tuple[jax.Array, ...]:
+    """The loop carry the timed repetitions start from: the inputs, and for "hold" a slot for the output."""
+    if self.feedback_on(platform) == "chain":
+      return (x,)
+    return (x, jnp.zeros((out_count,), x.dtype))
 
   def step(self, carry: tuple[jax.Array, ...], axes: tuple[str, ...], n: int,
-           platform: str) -> tuple[jax.Array, ...]:
-    """One repetition: the op, its output fed to the next one (so XLA can neither drop nor merge
-    repetitions). Two steps form the loop body, so the output of one lands in the buffer the next one
-    frees and the body needs no copy of the S buffer."""
-    (x,) = carry
-    return (self.op(x, axes, n, platform),)
+           platform: str) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """One repetition: (the next carry, this repetition's output). The next repetition depends on this one's
+    output (so XLA can neither drop, hoist nor merge repetitions); two steps form the loop body, so the
+    output of one lands in the buffer the next one frees and the body copies no message."""
+    if self.feedback_on(platform) == "chain":
+      (x,) = carry
+      y = self.op(x, axes, n, platform)
+      return (y,), y
+    x = carry[0]
+    y = self.op(x, axes, n, platform)
+    return (hold(x, y), y), y
+
+  def rep_output(self, rank: int, k: int, n: int, platform: str) -> tuple[str, int] | None:
+    """The known buffer that group rank `rank`'s output of timed repetition k (1, 2, ...) must equal, as
+    ("in", q): rank q's known input, or ("out", q): rank q's checked output of the check program; None where
+    no known buffer is (the timed check then says so). "hold": the check output, every time."""
+    return ("out", rank)
+
+  def period(self, n: int) -> int:
+    """rep_output repeats with this period (in repetitions) in a group of n."""
+    return 1
+
+  def digest_each(self, platform: str) -> bool:
+    """Whether every repetition's output is digested on `platform` (False where reading it would make XLA
+    copy it: an in-place op whose output the next repetition overwrites)."""
+    return True
+
+  def final_carry(self, rank: int, reps: int, n: int, platform: str) -> tuple[tuple[str, int] | None, ...]:
+    """What each slot of the carry holds after `reps` repetitions (as rep_output names buffers)."""
+    if self.feedback_on(platform) == "chain":
+      return (self.rep_output(rank, reps, n, platform),)
+    return (("in", rank), self.rep_output(rank, reps, n, platform))
 
   @abc.abstractmethod
   def reference(self, xs: np.ndarray) -> np.ndarray:
@@ -98,12 +137,6 @@ class Collective(abc.ABC):
     """The output the program must produce from `expected`'s exact values, given the type its collective
     ran in (only avg rounds)."""
     return values
-
-  def after(self, inputs: GroupInputs, rank: int, in_count: int, reps: int) -> tuple[np.ndarray, ...] | str:
-    """The timed programs' final carry of group rank `rank` after `reps` (even, >= 2) repetitions from the
-    known inputs, as float64 arrays (NaN: an element not checked), or a string saying why it can't be known
-    exactly. Compared element by element with what the timed program returns (program.check_timed)."""
-    return "no exact value after the repetitions is known for this collective"
 
   def hlo_expect(self, platform: str) -> str:
     return self.hlo_op
@@ -158,7 +191,22 @@ class Reduction(Collective):
 
 @register
 class AllReduce(Reduction):
+  """Held inputs where the platform's all-reduce is out of place (CPU). XLA:GPU runs every all-reduce in place
+  (its output takes the operand's buffer), so holding the inputs would add a copy of the message before every
+  repetition: there the repetitions chain, which max and min survive exactly (idempotent) and a sum, product
+  or average does not (n-fold growth per repetition, rounded): those say their timed output is not known."""
   name, hlo_op = "all_reduce", "all-reduce"
+
+  def feedback_on(self, platform):
+    return "chain" if platform == "gpu" else "hold"
+
+  def digest_each(self, platform):
+    return platform != "gpu"  # the next in-place all-reduce overwrites the output a digest would read
+
+  def rep_output(self, rank, k, n, platform):
+    if self.feedback_on(platform) == "chain" and self.redop not in ("max", "min"):
+      return None
+    return ("out", rank)
 
   def op(self, x, axes, n, platform):
     return reduce_ops.all_reduce(x, axes, self.redop)
@@ -169,17 +217,6 @@ class AllReduce(Reduction):
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.reduced(start, stop)
 
-  def after(self, inputs, rank, in_count, reps):
-    if self.redop in ("max", "min"):  # idempotent: every repetition after the first gives the same
-      return (inputs.reduced(0, in_count).astype(np.float64),)
-    if self.redop != "sum" or inputs.dtype != "int32":
-      what = {"sum": f"holds n^{reps - 1} x the sum", "prod": "holds a power of the product",
-              "avg": "holds the average rounded again at every step"}[self.redop]
-      return (f"a {inputs.dtype} all-reduce{'' if self.redop == 'sum' else ' ' + self.redop} repeated {reps} times"
-              f" {what}, rounded on the way: no exact value (the check program's exact comparison stands for"
-              " the op)")
-    total = inputs.total(0, in_count).astype(np.int64) * pow(inputs.n, reps - 1, 1 << 32)  # int32 wraps mod 2^32
-    return (((total + (1 << 31)) % (1 << 32) - (1 << 31)).astype(np.float64),)
 
 
 @register
@@ -196,23 +233,12 @@ class AllGather(Collective):
   def op(self, x, axes, n, platform):
     return lax.all_gather(x, axes, tiled=True)
 
-  def carry(self, x, out_count):
-    return (x, jnp.zeros((out_count,), x.dtype))  # the gathered output stays live in the carry
-
-  def step(self, carry, axes, n, platform):
-    x, _ = carry
-    y = self.op(x, axes, n, platform)
-    return (_depend(x, y), y)
-
   def reference(self, xs):
     return np.broadcast_to(xs.reshape(-1), (xs.shape[0], xs.size))
 
   def expected(self, inputs, rank, in_count, start, stop):
     return _from_chunks(in_count, start, stop, lambda q, a, b: inputs.rank(q, a, b))
 
-  def after(self, inputs, rank, in_count, reps):
-    shards, gathered = _gathered_after(inputs, in_count)
-    return shards[rank], gathered
 
 
 @register
@@ -229,14 +255,6 @@ class ReduceScatter(Reduction):
   def op(self, x, axes, n, platform):
     return reduce_ops.reduce_scatter(x, axes, n, self.redop)
 
-  def carry(self, x, out_count):
-    return (x, jnp.zeros((out_count,), x.dtype))  # the scattered output stays live in the carry
-
-  def step(self, carry, axes, n, platform):
-    x, _ = carry
-    y = self.op(x, axes, n, platform)
-    return (_depend(x, y), y)
-
   def reference(self, xs):
     n = xs.shape[0]
     return self.combine(xs).reshape(n, -1)
@@ -245,23 +263,13 @@ class ReduceScatter(Reduction):
     base = rank * (in_count // inputs.n)
     return inputs.reduced(base + start, base + stop)
 
-  def after(self, inputs, rank, in_count, reps):
-    """x[0] takes the output's first element each step, so only element 0 of rank 0's chunk (fed by every
-    rank's x[0]) keeps changing; everything else is known exactly."""
-    if self.redop == "avg":
-      return "avg's output depends on the platform's rounding of 1/n (the check program compares it)"
-    ch = in_count // inputs.n
-    y = self.expected(inputs, rank, in_count, 0, ch).astype(np.float64)
-    x = inputs.rank(rank, 0, in_count).astype(np.float64)
-    x[0] = y[0]
-    if rank == 0:
-      x[0] = y[0] = np.nan
-    return x, y
 
 
 @register
 class AllToAll(Collective):
+  """Chained: twice is the identity, so the repetitions alternate between the checked output and the input."""
   name, hlo_op, ordered_groups = "all_to_all", "all-to-all", True
+  feedback = "chain"
 
   def count_multiple(self, n):
     return n
@@ -277,10 +285,11 @@ class AllToAll(Collective):
     chunk = in_count // inputs.n  # output chunk j is chunk `rank` of rank j's input
     return _from_chunks(chunk, start, stop, lambda j, a, b: inputs.rank(j, rank * chunk + a, rank * chunk + b))
 
-  def after(self, inputs, rank, in_count, reps):
-    if reps % 2:
-      return (self.expected(inputs, rank, in_count, 0, in_count).astype(np.float64),)
-    return (inputs.rank(rank, 0, in_count).astype(np.float64),)  # twice is the identity
+  def period(self, n):
+    return 2
+
+  def rep_output(self, rank, k, n, platform):
+    return ("out", rank) if k % 2 else ("in", rank)
 
 
 @register
@@ -289,6 +298,7 @@ class Broadcast(Collective):
   masked all-reduce JAX documents as its equivalent, recorded as the record's `impl`. `native` is the one
   place that decides, from the mesh's platform."""
   name, hlo_op, ordered_groups = "broadcast", "collective-broadcast", True
+  feedback = "chain"  # every repetition after the first broadcasts rank 0's input again
 
   @staticmethod
   def native(platform: str) -> bool:
@@ -311,14 +321,15 @@ class Broadcast(Collective):
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank(0, start, stop)
 
-  def after(self, inputs, rank, in_count, reps):
-    return (inputs.rank(0, 0, in_count).astype(np.float64),)
 
 
 @register
 class PPermute(Collective):
-  """Point-to-point, as nccl-tests' sendrecv: each rank sends its buffer to the next rank of its group."""
+  """Point-to-point, as nccl-tests' sendrecv: each rank sends its buffer to the next rank of its group.
+  Chained: after k repetitions rank r holds rank r-k's input."""
   name, hlo_op = "ppermute", "collective-permute"
+  feedback = "chain"
+
 
   def pairs(self, n: int) -> list[tuple[int, int]]:
     """(source, target) group ranks."""
@@ -333,27 +344,22 @@ class PPermute(Collective):
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank((rank - 1) % inputs.n, start, stop)
 
-  def after(self, inputs, rank, in_count, reps):
-    return (inputs.rank((rank - reps) % inputs.n, 0, in_count).astype(np.float64),)
+  def period(self, n):
+    return n
+
+  def rep_output(self, rank, k, n, platform):
+    return ("in", (rank - k) % n)
 
 
-@functools.lru_cache(maxsize=2)
-def _gathered_after(inputs: GroupInputs, in_count: int) -> tuple[list[np.ndarray], np.ndarray]:
-  """All-gather's carry after the repetitions: every step writes the gathered first element (rank 0's) into
-  x[0]; the gathered output is the same on every rank of the group (built once per group, not per rank)."""
-  first = float(inputs.rank(0, 0, 1)[0])
-  shards = [inputs.rank(q, 0, in_count).astype(np.float64) for q in range(inputs.n)]
-  for shard in shards:
-    shard[0] = first
-  return shards, np.concatenate(shards)
-
-
-def _depend(x: jax.Array, y: jax.Array) -> jax.Array:
-  """The next repetition's input: `x` with its first element replaced by the output's first element, in
-  place. One element is enough to order the repetitions (the next one can't start before this one's output
-  exists, and no two inputs are the same); the output stays live in the carry, so nothing of it can be
-  dropped. A whole-shard feedback would add 1/n of the message of memory traffic to every repetition."""
-  return lax.dynamic_update_slice(x, y[:1], (0,))
+def hold(x: jax.Array, y: jax.Array) -> jax.Array:
+  """The next repetition's input for "hold" collectives: `x` unchanged in value, but its first element
+  rewritten in place from the output's first element, through a comparison with a value no correct output
+  holds (the dtype's lowest finite number). One element orders the repetitions (the next can't start, be
+  hoisted out of the loop or merged with this one before this output exists) and keeps every repetition's
+  expected output the check program's; rewriting the whole input would add a message-sized write."""
+  lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo(x.dtype).min
+  first = jnp.where(y[:1] == jnp.asarray(lowest, y.dtype), x[:1] + jnp.ones((1,), x.dtype), x[:1])
+  return lax.dynamic_update_slice(x, first.astype(x.dtype), (0,))
 
 
 def _from_chunks(chunk: int, start: int, stop: int, source) -> np.ndarray:

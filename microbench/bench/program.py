@@ -9,6 +9,12 @@
   repetitions (`Collective.step` twice): the first's output lands in a temporary, the second's in the carry
   the first freed, so no repetition copies the S buffer. The carry is donated and aliased to the output, so
   a call allocates no fresh S buffer either.
+- **Every repetition is checked**: each folds a digest of its whole output (a position-keyed hash summed in
+  uint32: one read of the output, nothing of its size written) into a 4-byte accumulator in the carry,
+  acc = acc x MUL + digest. After the timed calls the accumulator and the final carry's digests are compared
+  with what the known buffers give: the check program's output (verified element by element) and the known
+  inputs, `Collective.rep_output` saying which one each repetition must reproduce. A repetition that added
+  1, moved nothing or corrupted one element changes its digest, and MUL is odd, so no later one undoes it.
 - **Time by difference**: the short arm runs `SHORT_REPS` = 2 operations (one trip, which XLA inlines:
   two operations back to back), the long arm k2 >= 6 (a loop of k2/2 trips). Samples alternate between the
   arms; each pair gives (T(k2) - T(2)) / (k2 - 2) per operation, which cancels everything paid once per call
@@ -21,6 +27,7 @@ Barriers sit outside the timed region; compile time is measured separately.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 
@@ -67,6 +74,9 @@ class Point:
   mesh: jax.sharding.Mesh
   check_prog: Compiled
   x: jax.Array | None = None  # known inputs (the check program does not consume them)
+  # [devices, 2] uint32 by mesh position: the digests of each rank's known input and of its check output
+  # (check run 0, verified element by element): what the timed repetitions must reproduce
+  digests: np.ndarray | None = None
 
   @property
   def n(self) -> int:
@@ -147,7 +157,7 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
       in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
       # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
       copy_limit=max(2, min(coll.in_count(count, n), coll.out_count(count, n))) if timed else None,
-      widen_ok=platform == "cpu",
+      widen_ok=platform == "cpu", exempt_scope=DIGEST_SCOPE if timed and platform == "cpu" else None,
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
@@ -174,9 +184,35 @@ def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   return Point(coll, scope, dtype, count, mesh, Compiled(compiled, text, verified, 1))
 
 
-def carry_counts(coll: Collective, in_count: int, out_count: int, dtype: str) -> list[int]:
-  shapes = jax.eval_shape(lambda x: coll.carry(x, out_count), jax.ShapeDtypeStruct((in_count,), DTYPES[dtype]))
+def carry_counts(coll: Collective, in_count: int, out_count: int, dtype: str, platform: str) -> list[int]:
+  """Elements per rank of each data slot of the timed carry (the digest accumulator comes after them)."""
+  shapes = jax.eval_shape(lambda x: coll.carry(x, out_count, platform),
+                          jax.ShapeDtypeStruct((in_count,), DTYPES[dtype]))
   return [int(s.shape[0]) for s in shapes]
+
+
+DIGEST_MUL = 0x01000193  # odd: acc -> acc x MUL + d is a bijection mod 2^32, so no later digest undoes a wrong one
+_GOLDEN = 0x9E3779B9
+DIGEST_SCOPE = "microbench_digest"  # names the digest's instructions in the HLO (hlo_check's CPU exemption)
+
+
+def digest(y: jax.Array) -> jax.Array:
+  """[1] uint32: the sum over i of bits(y_i) XOR (i x golden), mod 2^32. Any one wrong element changes it
+  (XOR with a fixed key is a bijection, and the change is below 2^32); keyed by position, so a shifted,
+  swapped or misplaced chunk changes it too but for a ~2^-32 chance (the known inputs differ everywhere);
+  integer addition mod 2^32 gives the same sum in any order on any device. Kept this cheap on purpose:
+  XLA:GPU fuses it into the reduction at every size (one read of y, nothing of its size written), while a
+  stronger mix (MurmurHash's finaliser) is split into a separate message-sized kernel below ~64K elements."""
+  with jax.named_scope(DIGEST_SCOPE):
+    width = y.dtype.itemsize * 8
+    bits = jax.lax.bitcast_convert_type(y, {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}[width])
+    z = bits.astype(jnp.uint32) ^ (jax.lax.iota(jnp.uint32, y.shape[0]) * jnp.uint32(_GOLDEN))
+    return jnp.sum(z, dtype=jnp.uint32).reshape(1)
+
+
+def fold(acc: jax.Array, y: jax.Array) -> jax.Array:
+  """The accumulator after one more repetition whose output is y."""
+  return acc * jnp.uint32(DIGEST_MUL) + digest(y)
 
 
 def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
@@ -185,14 +221,20 @@ def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   if reps % 2 or reps < SHORT_REPS:
     raise ValueError(f"timed programs run an even number >= {SHORT_REPS} of operations, not {reps}")
   n, platform = scope.group_size, platform_of(mesh)
-  counts = carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype)
+  counts = carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype, platform)
+
+  each = coll.digest_each(platform)
+
+  def one(c):
+    slots, y = coll.step(c[:-1], scope.axes, n, platform)
+    return (*slots, fold(c[-1], y) if each else c[-1])
 
   def per_device(*carry):
-    return repeat(lambda c: coll.step(c, scope.axes, n, platform), reps, tuple(carry))
+    return repeat(one, reps, tuple(carry))
 
-  specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts]
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in counts),
-                     out_specs=tuple(jax.P(AXES) for _ in counts), check_vma=False)
+  specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts] + [_spec(mesh, 1, jnp.uint32)]
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs),
+                     out_specs=tuple(jax.P(AXES) for _ in specs), check_vma=False)
   compiled, text = _compile(fn, specs, donate=True)
   verified = hlo_check.verify(text, _expectation(coll, scope, count, dtype, platform, reps, timed=True))
   return Compiled(compiled, text, verified, reps)
@@ -205,13 +247,13 @@ def repeat(step: Callable, reps: int, carry):
 
 
 def initial_carry(point: Point) -> tuple[jax.Array, ...]:
-  """The timed programs' first carry: the known inputs, zeros for any other slot."""
-  counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype)
+  """The timed programs' first carry: the known inputs, zeros for any other slot, the accumulator at 0."""
+  counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype, point.platform)
   x = point.inputs()
   point.x = None  # the first timed call consumes it
   zeros = [_global_array(point.mesh, c, lambda p, c=c: np.zeros(c, np.int8), DTYPES[point.dtype])
            for c in counts[1:]]
-  return (x, *zeros)
+  return (x, *zeros, _global_array(point.mesh, 1, lambda p: np.zeros(1, np.uint32), jnp.uint32))
 
 
 def check(point: Point, compare: bool = True) -> int:
@@ -228,8 +270,47 @@ def check(point: Point, compare: bool = True) -> int:
   wrong = 0
   for run in range(point.check_runs):
     x = point.inputs() if run == 0 else known_input_array(point, run)
-    wrong += compare_output(point, point.check_prog.fn(x), run)
+    y = point.check_prog.fn(x)
+    wrong += compare_output(point, y, run)
+    if run == 0:
+      point.digests = np.asarray(_digest_table(point.mesh)(x, y))
   return wrong
+
+
+@functools.lru_cache(maxsize=8)
+def _digest_table(mesh: jax.sharding.Mesh) -> Callable:
+  """(inputs, outputs) -> every rank's (input digest, output digest), [devices, 2], on every process (a tiny
+  all-gather: chained collectives repeat other ranks' inputs)."""
+  def per_device(x, y):
+    return jax.lax.all_gather(jnp.concatenate([digest(x), digest(y)]), AXES)
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P(AXES)), out_specs=jax.P(),
+                               check_vma=False))
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_digests(mesh: jax.sharding.Mesh, slots: int) -> Callable:
+  """The final carry's data slots -> each rank's digest of each, [devices x slots], sharded like the carry."""
+  def per_device(*xs):
+    return jnp.concatenate([digest(x) for x in xs])
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in range(slots)),
+                               out_specs=jax.P(AXES), check_vma=False))
+
+
+def expected_acc(sequence: list[int], reps: int) -> int:
+  """The accumulator after `reps` repetitions from 0 whose digests repeat `sequence` (its period): one
+  period is an affine map mod 2^32, raised to the number of whole periods by squaring, then the rest."""
+  mod, p = 1 << 32, len(sequence)
+  a, b = 1, 0
+  for d in sequence:
+    a, b = a * DIGEST_MUL % mod, (b * DIGEST_MUL + d) % mod
+  acc, m = 0, reps // p
+  while m:
+    if m & 1:
+      acc = (a * acc + b) % mod
+    a, b, m = a * a % mod, (a * b + b) % mod, m >> 1
+  for d in sequence[:reps % p]:
+    acc = (acc * DIGEST_MUL + d) % mod
+  return acc
 
 
 def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
@@ -250,37 +331,42 @@ def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
   return wrong
 
 
-TIMED_CHECK_LIMIT = 1 << 24  # elements per rank above which the timed programs' output is not compared
-
-
 def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int) -> tuple[int | None, str]:
   """Compares the timed programs' final carry, after `reps` repetitions in all (every warm-up and timed call,
-  chained from the known inputs), element by element with the collective's known value after that many.
-  Nothing more runs: what is checked is what was timed. Returns this process's wrong elements (None when
-  not compared) and a note: what was compared, or why not."""
-  coll = point.collective
-  if point.in_count > TIMED_CHECK_LIMIT:
-    return None, f"not compared: more than {TIMED_CHECK_LIMIT} elements per rank"
-  inputs = point.group_inputs()
-  probe = coll.after(inputs[0], 0, point.in_count, reps)
-  if isinstance(probe, str):
-    return None, f"not compared: {probe}"
+  chained from the known inputs), with what every repetition must have produced: the digest accumulator
+  (every repetition's whole output, in order) and the digests of the final carry's slots. Nothing but a
+  digest of the final slots runs: what is checked is what was timed. Returns the count of this process's
+  ranks whose timed outputs differed (None when not compared) and a note: what was compared, or why not."""
+  if point.digests is None:
+    return None, "not compared: the check program's output was not compared (--nocheck)"
+  coll, n, table, platform = point.collective, point.n, point.digests, point.platform
+  sequence = [coll.rep_output(0, k, n, platform) for k in range(1, coll.period(n) + 1)]
+  if None in sequence:
+    return None, (f"not compared: a {point.dtype} {coll.name} repeated on {platform} chains its outputs, and no known"
+                  " buffer holds them (the check program's exact comparison stands for the op)")
+  slots, acc = carry[:-1], carry[-1]
+  final = _slot_digests(point.mesh, len(slots))(*slots)
+  final_by_device = {s.device: np.asarray(s.data) for s in final.addressable_shards}
   where = _where(point.scope)
-  counts = carry_counts(coll, point.in_count, point.out_count, point.dtype)
+  period, each = coll.period(n), coll.digest_each(platform)
   wrong = 0
-  after = {}  # (group, rank) -> every slot's expected value: computed once, not once per slot
-  for slot, (arr, per_rank) in enumerate(zip(carry, counts)):
-    for shard in arr.addressable_shards:
-      gi, rank = where[(shard.index[0].start or 0) // per_rank]
-      if (gi, rank) not in after:
-        after[gi, rank] = coll.after(inputs[gi], rank, point.in_count, reps)
-      want = np.array(after[gi, rank][slot], np.float64)
-      unknown = np.flatnonzero(np.isnan(want))  # a few elements at most
-      want[unknown] = 0
-      differs = np.asarray(shard.data) != as_dtype(want, point.dtype)  # in the dtype: no float64 copy of got
-      differs[unknown] = False
-      wrong += int(np.count_nonzero(differs))
-  return wrong, f"compared after the {reps} repetitions timed"
+  for shard in acc.addressable_shards:
+    gi, rank = where[shard.index[0].start or 0]
+    group = point.scope.groups[gi]
+
+    def known(buffer: tuple[str, int], group=group) -> int:
+      kind, q = buffer
+      return int(table[group[q], 0 if kind == "in" else 1])
+
+    want_acc = expected_acc([known(coll.rep_output(rank, k, n, platform)) for k in range(1, period + 1)],
+                            reps) if each else 0
+    want_final = [known(b) for b in coll.final_carry(rank, reps, n, platform)]
+    got_acc, got_final = int(np.asarray(shard.data)[0]), [int(v) for v in final_by_device[shard.device]]
+    wrong += got_acc != want_acc or got_final != want_final
+  if not each:
+    return wrong, (f"the final output after the {reps} repetitions compared (digest); on {platform} the"
+                   f" {coll.hlo_op} runs in place, so a digest of each repetition's output would add a copy")
+  return wrong, f"every one of the {reps} repetitions timed compared (output digests)"
 
 
 def call_time(point: Point) -> float:

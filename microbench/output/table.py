@@ -52,7 +52,7 @@ def format_row(r: dict[str, Any]) -> str:
   elif r.get("noisy"):
     flag += f"  NOISY (median +-{100 * r['resolution']:.0f}%)"
   if r.get("timed_wrong"):
-    flag += f"  TIMED PROGRAM WRONG ({r['timed_wrong']} elements)"
+    flag += f"  TIMED PROGRAM WRONG ({r['timed_wrong']} rank(s))"
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   if r.get("low"):  # fabric.expected: far below the model at a bandwidth-bound size
