@@ -189,8 +189,7 @@ def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   from microbench.bench import collectives, run as bench_run, sweep
 
   coll = collectives.get("ppermute")  # pretend it should have come from two ranks back
-  monkeypatch.setattr(type(coll), "expected",
-                      lambda self, inputs, rank, in_count, a, b: inputs.rank((rank - 2) % inputs.n, a, b))
+  monkeypatch.setattr(type(coll), "source", lambda self, rank, e, n, in_count: (0 * e + (rank - 2 + n) % n, e))
   cfg = sweep.SweepConfig(("ppermute", "all_reduce"), ("scale_up",), ("float32",), 64, 128, 2, 4, 0, 2, True)
   code = bench_run.execute(cfg, None, str(tmp_path), resumed=False, nodes_per_rack=None,
                                  flag_values={"distributed": False})

@@ -99,25 +99,33 @@ def test_group_size_not_power_of_two():
 
 
 class _WrongReduce(collectives.AllReduce):
-  """A deliberately wrong expectation: the check must count the mismatches."""
+  """A deliberately wrong expectation (every fifth element expects its neighbour's total, which differs by
+  design), on the host and on the devices: the checks must count the mismatches."""
 
   def expected(self, inputs, rank, in_count, start, stop):
-    return super().expected(inputs, rank, in_count, start, stop) + (np.arange(start, stop) % 5 == 0)
+    i = np.arange(start, stop)
+    return inputs.reduced(start + 1, stop + 1) * (i % 5 == 0) + inputs.reduced(start, stop) * (i % 5 != 0)
+
+  def reduced_at(self, rank, e, n, in_count):
+    return e + (e % 5 == 0)
 
 
-def test_check_counts_wrong_elements(mesh):
+def test_check_counts_wrong_elements_and_names_the_first(mesh):
   point = program.build_check(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
-  # 20 of every 100 elements differ, on all 8 devices.
+  # 20 of every 100 elements differ, on all 8 devices; the first is element 0.
   assert program.check(point) == 8 * 20
+  assert len(point.wrong_at) == 8 and {(w["wrong"], w["first"]) for w in point.wrong_at} == {(20, 0)}
+  assert sorted((w["group"], w["rank"]) for w in point.wrong_at) == [(g, r) for g in range(4) for r in range(2)]
+  assert program.compare_output_host(point, point.check_prog.fn(program.known_input_array(point))) == 8 * 20
 
 
-def test_check_streams_through_buffers_longer_than_its_chunk(mesh, monkeypatch):
+def test_the_host_check_streams_through_buffers_longer_than_its_chunk(mesh, monkeypatch):
   monkeypatch.setattr(program, "CHECK_CHUNK", 7)
   for name in ("all_gather", "all_to_all", "reduce_scatter"):
     point = program.build_check(collectives.get(name), mesh, PLANS["rack_scale"], 4 * 25, "float32")
-    assert program.check(point) == 0, name
+    assert program.compare_output_host(point, point.check_prog.fn(program.known_input_array(point))) == 0, name
   point = program.build_check(_WrongReduce(), mesh, PLANS["scale_up"], 100, "float32")
-  assert program.check(point) == 8 * 20
+  assert program.compare_output_host(point, point.check_prog.fn(program.known_input_array(point))) == 8 * 20
 
 
 def test_hlo_check_catches_a_collective_over_the_wrong_groups(mesh):

@@ -375,10 +375,38 @@ def test_a_reversing_feedback_fails_on_gpu_hlo_in_bfloat16(gpu_mesh):
     name = "all_reduce with a reversing feedback"
 
     def step(self, carry, axes, n, platform):
-      (x,) = carry
-      return (jnp.flip(self.op(x, axes, n, platform)),)
+      (x,) = carry  # the GPU all-reduce chains (in place)
+      y = jnp.flip(self.op(x, axes, n, platform))
+      return (y,), y
   with pytest.raises(hlo_check.HloMismatch, match="writes 4096 elements besides the collective"):
     program.build_timed(Reversing(), mesh, plan_scopes(topology, ["scale_up"])[0], 4096, "bfloat16", 10)
+
+
+@needs_plugin
+@pytest.mark.parametrize("count", [4096, 1 << 20])
+def test_on_gpus_an_all_reduce_must_chain_undigested(gpu_mesh, count):
+  """XLA:GPU's all-reduce is in place: held inputs, or a digest of each output, make it copy the message every
+  repetition (the HLO check fails both), so the GPU all-reduce chains without per-repetition digests. The
+  other collectives are out of place: held or chained, their digests fuse into a reduction at every size."""
+  topology, mesh = gpu_mesh
+  plan = plan_scopes(topology, ["scale_up"])[0]
+
+  class Held(collectives.AllReduce):
+    def feedback_on(self, platform):
+      return "hold"
+
+  class Digested(collectives.AllReduce):
+    def digest_each(self, platform):
+      return True
+
+  for wrong in (Held(), Digested()):
+    with pytest.raises(hlo_check.HloMismatch, match=r"copy\("):
+      program.build_timed(wrong, mesh, plan, count, "float32", 10)
+  assert program.build_timed(collectives.get("all_reduce"), mesh, plan, count, "float32", 10).verified.body_writes < 16
+  for name in ("all_gather", "reduce_scatter", "all_to_all", "ppermute", "broadcast"):
+    long = program.build_timed(collectives.get(name), mesh, plan, count, "float32", 10)
+    # A large digest reduces in two stages (1024 partial sums per repetition): far below the message.
+    assert long.verified.body_writes <= 2 * 1024 + 16 and program.DIGEST_SCOPE in long.hlo_text, name
 
 
 # ------------------------------------------------------------------------------ operators and fp8 on XLA:GPU

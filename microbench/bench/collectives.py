@@ -138,6 +138,16 @@ class Collective(abc.ABC):
     ran in (only avg rounds)."""
     return values
 
+  def source(self, rank: jax.Array, e: jax.Array, n: int, in_count: int) -> tuple[jax.Array, jax.Array]:
+    """Data collectives, on the devices (traced): (source group rank, source element) of output elements e of
+    group rank `rank`, the known input that lands there (device_inputs builds the expected output from it)."""
+    raise NotImplementedError(f"{self.name}: no `source` (or `reduced_at` for a reduction) for the device check")
+
+  def reduced_at(self, rank: jax.Array, e: jax.Array, n: int, in_count: int) -> jax.Array:
+    """Reductions, on the devices (traced): the input element whose value, reduced over the group, lands in
+    output element e of group rank `rank`."""
+    raise NotImplementedError(f"{self.name}: no `reduced_at` for the device check")
+
   def hlo_expect(self, platform: str) -> str:
     return self.hlo_op
 
@@ -214,6 +224,9 @@ class AllReduce(Reduction):
   def reference(self, xs):
     return np.broadcast_to(self.combine(xs), xs.shape)
 
+  def reduced_at(self, rank, e, n, in_count):
+    return e
+
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.reduced(start, stop)
 
@@ -235,6 +248,9 @@ class AllGather(Collective):
 
   def reference(self, xs):
     return np.broadcast_to(xs.reshape(-1), (xs.shape[0], xs.size))
+
+  def source(self, rank, e, n, in_count):
+    return e // in_count, e % in_count
 
   def expected(self, inputs, rank, in_count, start, stop):
     return _from_chunks(in_count, start, stop, lambda q, a, b: inputs.rank(q, a, b))
@@ -259,6 +275,9 @@ class ReduceScatter(Reduction):
     n = xs.shape[0]
     return self.combine(xs).reshape(n, -1)
 
+  def reduced_at(self, rank, e, n, in_count):
+    return rank * (in_count // n) + e
+
   def expected(self, inputs, rank, in_count, start, stop):
     base = rank * (in_count // inputs.n)
     return inputs.reduced(base + start, base + stop)
@@ -280,6 +299,10 @@ class AllToAll(Collective):
   def reference(self, xs):
     n = xs.shape[0]
     return xs.reshape(n, n, -1).transpose(1, 0, 2).reshape(n, -1)
+
+  def source(self, rank, e, n, in_count):
+    chunk = in_count // n
+    return e // chunk, rank * chunk + e % chunk
 
   def expected(self, inputs, rank, in_count, start, stop):
     chunk = in_count // inputs.n  # output chunk j is chunk `rank` of rank j's input
@@ -318,6 +341,9 @@ class Broadcast(Collective):
   def reference(self, xs):
     return np.broadcast_to(xs[0], xs.shape)
 
+  def source(self, rank, e, n, in_count):
+    return jnp.zeros_like(e), e
+
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank(0, start, stop)
 
@@ -340,6 +366,9 @@ class PPermute(Collective):
 
   def reference(self, xs):
     return np.roll(xs, 1, axis=0)
+
+  def source(self, rank, e, n, in_count):
+    return jnp.broadcast_to((rank - 1 + n) % n, e.shape), e
 
   def expected(self, inputs, rank, in_count, start, stop):
     return inputs.rank((rank - 1) % inputs.n, start, stop)

@@ -37,7 +37,7 @@ import numpy as np
 
 from meshes.scopes import ScopePlan
 from meshes.topology import AXES
-from microbench.bench import hlo_check, known_inputs
+from microbench.bench import device_inputs, hlo_check, known_inputs
 from microbench.bench.collectives import Collective
 
 CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check stays small
@@ -77,6 +77,8 @@ class Point:
   # [devices, 2] uint32 by mesh position: the digests of each rank's known input and of its check output
   # (check run 0, verified element by element): what the timed repetitions must reproduce
   digests: np.ndarray | None = None
+  wrong_at: list[dict] = dataclasses.field(default_factory=list)  # this process's first wrong element per rank
+  _where: jax.Array | None = None
 
   @property
   def n(self) -> int:
@@ -91,6 +93,12 @@ class Point:
   @property
   def platform(self) -> str:
     return platform_of(self.mesh)
+
+  def where(self) -> jax.Array:
+    """Each device's (group index, group rank), on the devices (made once per point)."""
+    if self._where is None:
+      self._where = device_inputs.where_array(self.mesh, self.scope.groups)
+    return self._where
 
   @property
   def in_count(self) -> int:
@@ -134,6 +142,14 @@ def _where(scope: ScopePlan) -> dict[int, tuple[int, int]]:
 
 
 def known_input_array(point: Point, run: int = 0) -> jax.Array:
+  """The known inputs of check run `run`, built on the devices (device_inputs): nothing of the message's size
+  crosses from the host."""
+  family = device_inputs.Family(point.collective.inputs, point.dtype, point.n, point.in_count, run)
+  return device_inputs.inputs(point.mesh, family, point.where(), point.in_count)
+
+
+def known_input_array_host(point: Point, run: int = 0) -> jax.Array:
+  """The same inputs built on the host from known_inputs (the specification; tests compare the two)."""
   where = _where(point.scope)
   inputs = point.group_inputs(run)
 
@@ -314,7 +330,24 @@ def expected_acc(sequence: list[int], reps: int) -> int:
 
 
 def compare_output(point: Point, y: jax.Array, run: int = 0) -> int:
-  """Wrong elements of this process's shards of `y` against the expected output of check run `run`."""
+  """Wrong elements of this process's shards of `y` against the expected output of check run `run`, compared
+  on the devices (device_inputs: the expected output is generated beside `y`, and only a count and the first
+  wrong index per rank come back). The ranks with wrong elements are kept in `point.wrong_at`."""
+  coll = point.collective
+  family = device_inputs.Family(coll.inputs, point.dtype, point.n, point.in_count, run)
+  res = device_inputs.compare(point.mesh, coll, family, y, point.where(), point.out_count, point.in_count,
+                              point.n, point.wire_dtype)
+  where = _where(point.scope)
+  for position, (count, first) in enumerate(res):
+    if count > 0:
+      gi, rank = where[position]
+      point.wrong_at.append({"run": run, "group": gi, "rank": rank, "wrong": int(count), "first": int(first)})
+  return int(res[res[:, 0] > 0, 0].sum())
+
+
+def compare_output_host(point: Point, y: jax.Array, run: int = 0) -> int:
+  """Wrong elements of this process's shards of `y` against the expected output of check run `run`, computed
+  on the host a range at a time from known_inputs (the specification; tests compare it with the device's)."""
   coll, in_count, out_count = point.collective, point.in_count, point.out_count
   where = _where(point.scope)
   inputs = point.group_inputs(run)

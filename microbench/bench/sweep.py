@@ -85,6 +85,19 @@ def _gather(values: np.ndarray) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(values, tiled=False))
 
 
+WRONG_AT_KEPT = 8  # ranks per process whose first wrong element a record names
+
+
+def _wrong_at(local: list[dict[str, int]]) -> list[dict[str, int]]:
+  """Every process's first wrong elements (check run, group, group rank, wrong count, first index), gathered."""
+  keys = ("run", "group", "rank", "wrong", "first")
+  rows = np.full((WRONG_AT_KEPT, len(keys)), -1, np.int64)
+  for i, w in enumerate(local[:WRONG_AT_KEPT]):
+    rows[i] = [w[k] for k in keys]
+  every = _gather(rows).reshape(-1, len(keys))
+  return [dict(zip(keys, map(int, row))) for row in every if row[3] > 0]
+
+
 def _spread(per_proc: np.ndarray) -> dict[str, Any]:
   """Cross-process spread of per-process median per-operation times ([process, sample], seconds), and every
   process's own times, compact (rank_times: `microbench-report --ranks` names the slow process and node)."""
@@ -226,9 +239,13 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   if cfg.target:
     return compiled_record(cfg, rec, point, short, long)
   try:
+    t_check = time.perf_counter()
     with guard("correctness check", expected_op_s):
       wrong = program.check(point, compare=cfg.check)
       wrong = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
+      if wrong:
+        rec["wrong_at"] = _wrong_at(point.wrong_at)
+    rec["check_s"] = time.perf_counter() - t_check  # inputs made, the check program run and compared
     if cfg.latency_mode:
       with guard("timed runs", (cfg.warmup + cfg.samples) * (expected_op_s + delay)):
         if _hang_here(cfg, index):
@@ -275,9 +292,11 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
       rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
-      if cfg.check:  # the timed calls' own output: the chained carry after every repetition they ran
+      if cfg.check:  # the timed calls' own output: every repetition they ran, by digest
+        t_timed_check = time.perf_counter()
         timed_wrong, rec["timed_check"] = program.check_timed(
             point, carry, (cfg.warmup + rec["samples"]) * (short.reps + long.reps))
+        rec["timed_check_s"] = time.perf_counter() - t_timed_check
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
       del carry
       if index in cfg.profile_points and cfg.profile_dir:

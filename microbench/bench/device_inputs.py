@@ -1,0 +1,187 @@
+"""The known inputs and the expected outputs built on the devices, as nccl-tests fills and checks its buffers
+on the GPU: one jitted generator and one jitted comparison per point, so the host moves no message.
+
+The values are microbench.bench.known_inputs' (its docstring gives the formulas; the host version stays the
+readable specification and tests compare the two element by element), computed in 32-bit integer arithmetic:
+every product is either reduced below 2^31 first or taken mod the alphabet M, a power of two dividing 2^32, so
+uint32 wrap-around gives the same residue. The tables a few formulas index (the per-element constants of one
+period, each reduce-scatter chunk's residue step) are computed on the host once and passed in.
+
+Each device learns which group and group rank it is from a small sharded array. A collective's expected
+output is an elementwise function of the known inputs: data collectives name, per output element, the source
+rank and element (`source`); reductions name the input element whose reduced value lands there (`reduced_at`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshes.topology import AXES
+from microbench.bench import known_inputs as ki
+
+_U = jnp.uint32
+
+
+def _tables(kind: str, dtype: str, n: int, count: int) -> dict[str, np.ndarray]:
+  """The host-side tables of one family (int32/uint32), passed to the generator as replicated arrays."""
+  if kind == "data":
+    m = ki.ALPHABET[dtype]
+    tabs = {"abcd": np.stack(ki._constants(m)).astype(np.uint32)}  # [4, P]
+    if dtype in ki.FP8:
+      tabs["letters"] = ki._fp8_letters(dtype).astype(np.int32)
+    return tabs
+  gi = ki.GroupInputs(kind, dtype, n, 0, count)
+  tabs = {"h": ki._constants(1 << 24)[0].astype(np.int32)}  # [P]
+  if gi.chunk:
+    modulus, c = ki._modulus(dtype), np.arange(n, dtype=np.int64)
+    f = (c * gi.step) % modulus
+    if (n - 1) * gi.step % modulus == 0:
+      f = np.where(c == n - 1, (-2 * gi.step) % modulus, f)
+    tabs["f"] = f.astype(np.int32)
+  return tabs
+
+
+class Family:
+  """The known inputs of one point (kind, dtype, group size, message length, check run) as traceable
+  functions of (group index, rank, element index), all int32/uint32 arrays."""
+
+  def __init__(self, kind: str, dtype: str, n: int, count: int, run: int = 0):
+    self.kind, self.dtype, self.n, self.count, self.run = kind, dtype, int(n), int(count), int(run)
+    if kind != "data":
+      gi = ki.GroupInputs(kind, dtype, n, 0, count, run)
+      self.k, self.chunk, self.q_max = gi.k, gi.chunk, gi.q_max
+      self.modulus, self.base = ki._modulus(dtype), ki._base(dtype)
+    self.host_tables = _tables(kind, dtype, n, count)
+
+  def key(self) -> tuple:
+    return (self.kind, self.dtype, self.n, self.count, self.run)
+
+  def value(self, tabs: dict, g, q, i) -> jax.Array:
+    """Rank q's input at elements i of group g (int32; q and i broadcast against each other)."""
+    if self.kind == "data":
+      return self._data(tabs, g, q, i)
+    start, qv, target = self._rule(tabs, g, i)
+    return self._from_slot(start, qv, target, q)
+
+  def reduced(self, tabs: dict, g, i) -> jax.Array:
+    """The exact reduced value over the group at elements i (int32): T, or 2T for prod."""
+    _, _, target = self._rule(tabs, g, i)
+    return 2 * target if self.kind == "prod" else target
+
+  def _data(self, tabs, g, q, i):
+    m = ki.ALPHABET[self.dtype]
+    mask = _U(m - 1)
+    j = i % ki.PERIOD
+    a, b, c, d = (tabs["abcd"][t][j] for t in range(4))
+    q = q.astype(_U)
+    lo, hi = q & mask, (q // _U(m)) & mask
+    u = jnp.where((j + self.run) % 2 == 0, lo, (hi + c * lo) & mask)
+    w = (a * u + b + d * (g.astype(_U) & mask)) & mask
+    if self.dtype in ki.FP8:
+      return tabs["letters"][w.astype(jnp.int32)]
+    return w.astype(jnp.int32) - m // 2
+
+  def _rule(self, tabs, g, i):
+    """(window start, q, T) at elements i: the sum family's rule (known_inputs.GroupInputs._rule)."""
+    n = self.n
+    offset = (self.run * self.count) % n
+    start = ((((i % n) + offset).astype(_U) * _U(self.k)) % _U(n)).astype(jnp.int32)  # 2n k may pass 2^31
+    h = tabs["h"][((i % ki.PERIOD) + (977 * g) % ki.PERIOD) % ki.PERIOD]
+    qv = 1 + h % self.q_max
+    residue = (i % self.chunk + tabs["f"][i // self.chunk]) if self.chunk else i
+    target = self.base + (residue + ki.GROUP_STEP * g) % self.modulus
+    return start, qv, target
+
+  def _from_slot(self, start, qv, target, q):
+    n, k = self.n, self.k
+    slot = (q - start + n) % n
+    if self.kind == "sum":
+      return jnp.where(slot < k - 1, qv, jnp.where(slot == k - 1, target - (k - 1) * qv, 0))
+    if self.kind == "prod":
+      sign = 1 - 2 * ((k - 2) % 2)
+      return jnp.where(slot < k - 2, -1, jnp.where(slot == k - 2, 2, jnp.where(slot == k - 1, sign * target, 1)))
+    if self.kind == "max":
+      return jnp.where(slot == 0, target, 1 + qv)
+    return jnp.where(slot == 0, target, ki.HALF[self.dtype] + qv)
+
+
+def where_array(mesh: jax.sharding.Mesh, groups: np.ndarray) -> jax.Array:
+  """[devices x 2] int32 sharded like the buffers: each device's (group index, group rank)."""
+  info = np.zeros((mesh.size, 2), np.int32)
+  for gi, group in enumerate(groups):
+    for r, p in enumerate(group):
+      info[int(p)] = (gi, r)
+  return jax.device_put(info.reshape(-1), jax.NamedSharding(mesh, jax.P(AXES)))
+
+
+def _replicated(mesh: jax.sharding.Mesh, tabs: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+  return {k: jax.device_put(v, jax.NamedSharding(mesh, jax.P())) for k, v in tabs.items()}
+
+
+@functools.lru_cache(maxsize=16)
+def _generator(mesh: jax.sharding.Mesh, family_key: tuple, dtype: str, per_rank: int, names: tuple) -> Callable:
+  family = Family(*family_key)
+
+  def per_device(where, tabs):
+    g, r = where[0], where[1]
+    i = jax.lax.iota(jnp.int32, per_rank)
+    return family.value(tabs, g, r, i).astype(dtype)
+
+  specs = {k: jax.P() for k in names}
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), specs), out_specs=jax.P(AXES),
+                               check_vma=False))
+
+
+def inputs(mesh: jax.sharding.Mesh, family: Family, where: jax.Array, per_rank: int) -> jax.Array:
+  """The known inputs of every rank, [devices x per_rank] in the dtype, made on the devices."""
+  tabs = _replicated(mesh, family.host_tables)
+  return _generator(mesh, family.key(), family.dtype, per_rank, tuple(sorted(tabs)))(where, tabs)
+
+
+def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_count: int, n: int,
+                    wire_dtype: str) -> jax.Array:
+  """Group rank r's expected output, traced (the dtype's values; avg rounded as the platform does)."""
+  e = jax.lax.iota(jnp.int32, out_count)
+  if family.kind != "data":
+    values = family.reduced(tabs, g, coll.reduced_at(r, e, n, in_count))
+    if getattr(coll, "redop", None) == "avg":
+      recip = float(ki.as_dtype(np.float32(1) / np.float32(n), wire_dtype))
+      wire = jnp.dtype(getattr(jnp, wire_dtype))
+      return (values.astype(wire) * jnp.asarray(recip, wire)).astype(wire).astype(family.dtype)
+    return values.astype(family.dtype)
+  q, j = coll.source(r, e, n, in_count)
+  return family.value(tabs, g, q, j).astype(family.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int, in_count: int, n: int,
+                wire_dtype: str, names: tuple) -> Callable:
+  family = Family(*family_key)
+
+  def per_device(y, where, tabs):
+    g, r = where[0], where[1]
+    want = expected_output(coll, family, tabs, g, r, out_count, in_count, n, wire_dtype)
+    differs = y != want
+    first = jnp.min(jnp.where(differs, jax.lax.iota(jnp.int32, out_count), jnp.int32(out_count)))
+    return jnp.stack([jnp.sum(differs, dtype=jnp.int32), first])
+
+  specs = {k: jax.P() for k in names}
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P(AXES), specs),
+                               out_specs=jax.P(AXES), check_vma=False))
+
+
+def compare(mesh: jax.sharding.Mesh, coll, family: Family, y: jax.Array, where: jax.Array, out_count: int,
+            in_count: int, n: int, wire_dtype: str) -> np.ndarray:
+  """[devices, 2] for this process's devices, by mesh position (others -1): wrong elements and the first wrong
+  element's index (out_count when none)."""
+  tabs = _replicated(mesh, family.host_tables)
+  res = _comparison(mesh, coll, family.key(), out_count, in_count, n, wire_dtype, tuple(sorted(tabs)))(y, where, tabs)
+  out = np.full((mesh.size, 2), -1, np.int64)
+  for shard in res.addressable_shards:
+    out[(shard.index[0].start or 0) // 2] = np.asarray(shard.data)
+  return out
