@@ -77,7 +77,7 @@ def test_a_resolved_point_stops_after_the_minimum_pairs(mesh):
     t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 8, lambda: None,
                                                 resolved=lambda s, l, a=answer: asked.append(len(s)) or a)
     assert len(t_short) == len(t_long) == pairs
-    assert program.check_timed(point, carry, (1 + pairs) * 8)[0] == 0
+    assert program.check_timed(point, carry, *program.chain_reps(1, pairs, 2, 6))[0] == 0
   assert asked == [program.MIN_SAMPLES] * 2
 
 
@@ -314,8 +314,10 @@ def test_a_message_sized_write_in_the_loop_body_fails_whatever_its_opcode(mesh, 
   with pytest.raises(hlo_check.HloMismatch, match="writes 64 elements besides the collective"):
     program.build_timed(mutant, mesh, PLANS["scale_up"], 64, "float32", 10)
   real = program.build_timed(collectives.get("all_reduce"), mesh, PLANS["scale_up"], 64, "float32", 10)
-  # Only the two digests' hashes per trip (XLA:CPU writes them out; GPUs fuse them) and a few scalars.
-  assert real.verified.body_writes is not None and 2 * 64 <= real.verified.body_writes < 2 * 64 + 16
+  # The timed program writes a few scalars besides the collective; its checked twin also the two digests'
+  # hashes per trip (XLA:CPU writes them out; GPUs fuse them).
+  assert real.verified.body_writes is not None and real.verified.body_writes < 16
+  assert 2 * 64 <= real.checked.verified.body_writes < 2 * 64 + 16
 
 
 def test_send_and_recv_are_other_collectives():
@@ -343,8 +345,9 @@ def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
       count = 4 * plan.group_size
       point = program.build_check(coll, mesh, plan, count, dtype)
       assert program.check(point) == 0
-      assert _timed_and_checked(mesh, coll, point, count, dtype) == (
-          0, "every one of the 36 repetitions timed compared (output digests)"), (name, dtype)
+      assert _timed_and_checked(mesh, coll, point, count, dtype) == (0, (
+          "every output of the 12 checked repetitions (the untimed twins) and the final output after all 36"
+          " compared (digests)")), (name, dtype)
 
 
 def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None):
@@ -352,7 +355,7 @@ def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None)
   plan = plan or PLANS["scale_up"]
   short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, long_reps))
   _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
-  return program.check_timed(point, carry, 3 * (2 + long_reps))
+  return program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps))
 
 
 def test_on_gpus_an_all_reduce_chains_and_says_what_it_cannot_know():

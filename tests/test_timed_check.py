@@ -128,7 +128,7 @@ def _timed(mesh, coll, plan, dtype, long_reps):
   wrong_check = program.check(point)
   short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, long_reps))
   _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
-  wrong, note = program.check_timed(point, carry, 3 * (2 + long_reps))
+  wrong, note = program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps))
   return wrong_check, wrong, note
 
 
@@ -141,8 +141,9 @@ def test_a_collective_wrong_only_in_some_timed_repetitions_is_caught(mesh, mutan
   assert wrong_check == 0  # right as one operation: the check program can't see it
   assert wrong == jax.device_count(), (wrong, note)  # every rank's sequence of outputs differs
   real = collectives.get(mutant.__mro__[2].name if issubclass(mutant, _Toggle) else mutant.__mro__[1].name)
-  assert _timed(mesh, real, plan, dtype, long_reps)[1:] == (
-      0, f"every one of the {3 * (2 + long_reps)} repetitions timed compared (output digests)")
+  assert _timed(mesh, real, plan, dtype, long_reps)[1:] == (0, (
+      f"every output of the {2 + long_reps} checked repetitions (the untimed twins) and the final output after"
+      f" all {3 * (2 + long_reps)} compared (digests)"))
 
 
 @pytest.mark.parametrize("mutant", [AllToAllIdleEverySecond, PPermuteMovesNothing], ids=lambda m: m.name)

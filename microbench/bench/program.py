@@ -62,6 +62,9 @@ class Compiled:
   hlo_text: str
   verified: hlo_check.Verified
   reps: int  # operations per call
+  # The checked twin: the same step with every repetition's output digested, run untimed (time_pairs'
+  # warm-up); None for the twin itself and where the platform digests nothing per repetition.
+  checked: "Compiled | None" = None
 
 
 @dataclasses.dataclass
@@ -233,13 +236,23 @@ def fold(acc: jax.Array, y: jax.Array) -> jax.Array:
 
 def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
                 reps: int) -> Compiled:
-  """Compiles the program that runs `reps` (even) operations back to back; checks its HLO."""
+  """Compiles the program that runs `reps` (even) operations back to back and, as its `checked` twin, the same
+  program digesting every repetition's output; checks both HLOs. The timed calls run the first: the digest
+  is one more pass over each output, which on CPU costs 1.2-5x the collective itself (scripts/bench_peer.py's
+  figures), so it is never timed."""
+  timed = _build_timed(coll, mesh, scope, count, dtype, reps, digest=False)
+  if coll.digest_each(platform_of(mesh)):
+    timed.checked = _build_timed(coll, mesh, scope, count, dtype, reps, digest=True)
+  return timed
+
+
+def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
+                 reps: int, digest: bool) -> Compiled:
   if reps % 2 or reps < SHORT_REPS:
     raise ValueError(f"timed programs run an even number >= {SHORT_REPS} of operations, not {reps}")
   n, platform = scope.group_size, platform_of(mesh)
   counts = carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype, platform)
-
-  each = coll.digest_each(platform)
+  each = digest and coll.digest_each(platform)
 
   def one(c):
     slots, y = coll.step(c[:-1], scope.axes, n, platform)
@@ -364,12 +377,15 @@ def compare_output_host(point: Point, y: jax.Array, run: int = 0) -> int:
   return wrong
 
 
-def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int) -> tuple[int | None, str]:
+def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int,
+                digested: tuple[int, int] | None = None) -> tuple[int | None, str]:
   """Compares the timed programs' final carry, after `reps` repetitions in all (every warm-up and timed call,
-  chained from the known inputs), with what every repetition must have produced: the digest accumulator
-  (every repetition's whole output, in order) and the digests of the final carry's slots. Nothing but a
-  digest of the final slots runs: what is checked is what was timed. Returns the count of this process's
-  ranks whose timed outputs differed (None when not compared) and a note: what was compared, or why not."""
+  chained from the known inputs), with what the repetitions must have produced: the digest accumulator (the
+  whole output of each of the `digested` = (offset, count) repetitions the checked twins ran, in order; all
+  of them by default) and the digests of the final carry's slots (a chain carries every repetition's output
+  into them). Nothing but a digest of the final slots runs. Returns the count of this process's ranks whose
+  outputs differed (None when not compared) and a note: what was compared, or why not."""
+  offset, count = digested if digested is not None else (0, reps)
   if point.digests is None:
     return None, "not compared: the check program's output was not compared (--nocheck)"
   coll, n, table, platform = point.collective, point.n, point.digests, point.platform
@@ -391,15 +407,18 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int) -> tuple[
       kind, q = buffer
       return int(table[group[q], 0 if kind == "in" else 1])
 
-    want_acc = expected_acc([known(coll.rep_output(rank, k, n, platform)) for k in range(1, period + 1)],
-                            reps) if each else 0
+    want_acc = expected_acc([known(coll.rep_output(rank, offset + k, n, platform)) for k in range(1, period + 1)],
+                            count) if each else 0
     want_final = [known(b) for b in coll.final_carry(rank, reps, n, platform)]
     got_acc, got_final = int(np.asarray(shard.data)[0]), [int(v) for v in final_by_device[shard.device]]
     wrong += got_acc != want_acc or got_final != want_final
   if not each:
     return wrong, (f"the final output after the {reps} repetitions compared (digest); on {platform} the"
                    f" {coll.hlo_op} runs in place, so a digest of each repetition's output would add a copy")
-  return wrong, f"every one of the {reps} repetitions timed compared (output digests)"
+  if count == reps:
+    return wrong, f"every one of the {reps} repetitions compared (output digests)"
+  return wrong, (f"every output of the {count} checked repetitions (the untimed twins) and the final output after"
+                 f" all {reps} compared (digests)")
 
 
 def call_time(point: Point) -> float:
@@ -435,13 +454,14 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
                ) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
   """Seconds per call of each arm, up to `samples` of each, alternating (the order flips every pair so
   neither arm always runs first), and the final carry. The carry flows from call to call, donated each time,
-  so the final one holds (warmup + pairs taken) x (short + long) repetitions of the op (check_timed compares
-  it). After MIN_SAMPLES pairs, once, `resolved(t_short, t_long)` may end the point early: a point whose
+  so the final one holds (max(warmup, 1) + pairs taken) x (short + long) repetitions of the op: the warm-up
+  calls run the checked twins (every repetition's output digested), and with no warm-up one checked pair runs
+  after the samples, untimed (`chain_reps` counts them; check_timed compares the carry). After MIN_SAMPLES pairs, once, `resolved(t_short, t_long)` may end the point early: a point whose
   median is already resolved gains little from more pairs (a multi-process job must answer the same on every
   process: the sweep's answer is gathered). `inject_delay_s` (fault injection) is added per operation, so it
   survives the difference."""
-  for _ in range(warmup):
-    carry = _run(long, _run(short, carry))
+  for _ in range(warmup):  # untimed: the checked twins, every repetition's output digested
+    carry = _run(long.checked or long, _run(short.checked or short, carry))
   t_short, t_long = [], []
   for i in range(samples):
     for prog in ((short, long) if i % 2 == 0 else (long, short)):
@@ -453,7 +473,18 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
       (t_short if prog is short else t_long).append(time.perf_counter() - t0)
     if resolved is not None and i + 1 == MIN_SAMPLES < samples and resolved(np.asarray(t_short), np.asarray(t_long)):
       break
+  if not warmup:  # the checked twins still run once, untimed, after the samples
+    carry = _run(long.checked or long, _run(short.checked or short, carry))
   return np.asarray(t_short), np.asarray(t_long), carry
+
+
+def chain_reps(warmup: int, pairs: int, short_reps: int, long_reps: int) -> tuple[int, tuple[int, int]]:
+  """(repetitions in the final carry, (first digested repetition's offset, digested repetitions)) after
+  time_pairs ran `pairs` timed pairs."""
+  pair = short_reps + long_reps
+  if warmup:
+    return (warmup + pairs) * pair, (0, warmup * pair)
+  return (pairs + 1) * pair, (pairs * pair, pair)
 
 
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],

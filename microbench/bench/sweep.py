@@ -292,10 +292,10 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
       rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
-      if cfg.check:  # the timed calls' own output: every repetition they ran, by digest
+      if cfg.check:  # the timed calls' own output: their checked twins' every repetition, the final carry
         t_timed_check = time.perf_counter()
-        timed_wrong, rec["timed_check"] = program.check_timed(
-            point, carry, (cfg.warmup + rec["samples"]) * (short.reps + long.reps))
+        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps)
+        timed_wrong, rec["timed_check"] = program.check_timed(point, carry, reps, digested)
         rec["timed_check_s"] = time.perf_counter() - t_timed_check
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
       del carry
