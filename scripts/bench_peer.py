@@ -10,9 +10,10 @@ rest).
 Both run as fresh processes (imports, device start-up and compiles included, as a user pays them) on 8 CPU
 devices, one group of all of them: all-reduce, all-gather, reduce-scatter and all-to-all, float32, 1, 4, 16 and
 64 MiB per device. The peer runs one process per collective (its loader takes one benchmark kind per config),
-with its defaults (10 warm-up and 10 timed calls per point, no check of the results) and `matrix_dim` = bytes /
-4096 (its buffer is matrix_dim x 8 x 128 per device: the all-gather's input, where the toolkit's size is the
-output, as nccl-tests'). Without `--peer_python` only the toolkit runs. Prints a Markdown table; figures go to
+with its defaults (10 warm-up and 10 timed calls per point, no check of the results) and the `matrix_dim` that
+gives the toolkit's size S (nccl-tests' convention: the all-gather's output, the reduce-scatter's input): its
+buffer is matrix_dim x 8 x 128 per device (the reduce-scatter's n x matrix_dim x 256), so S / 4096, the
+all-gather's S / (4096 n) and the reduce-scatter's S / (1024 n). Without `--peer_python` only the toolkit runs. Prints a Markdown table; figures go to
 docs/measured-figures.md under this command.
 """
 
@@ -64,18 +65,23 @@ def _toolkit(outdir: str, per_point: dict) -> dict[str, float]:
 
 
 _PEER_MAIN = "from accelerator_microbenchmarks.main import run_main; run_main()"
+# Bytes of the toolkit's size S (nccl-tests': the all-gather's output, the reduce-scatter's input, the buffer
+# otherwise) per unit of the peer's matrix_dim, float32: its buffer is (dim, 8, 128) per device, the input
+# (replicated), except the reduce-scatter's (n, dim, 256); so the same S asks for these dims.
+_PEER_BYTES_PER_DIM = {"all_reduce": lambda n: 4096, "all_to_all": lambda n: 4096,
+                       "reduce_scatter": lambda n: 1024 * n, "all_gather": lambda n: 4096 * n}
 
 
 def _peer_configs(tmp: str) -> list[str]:
   """One YAML config per collective, its defaults but float32 and no profiler, at the toolkit's sizes."""
   from microbench.bench import sizes  # pylint: disable=g-import-not-at-top
   lo, hi = sizes.parse_size(FLAGS.min_bytes), sizes.parse_size(FLAGS.max_bytes)
-  dims, b = [], lo
-  while b <= hi:
-    dims.append(b // 4096)
-    b *= FLAGS.step_factor
   paths = []
   for name in FLAGS.collectives.split(","):
+    dims, b = [], lo
+    while b <= hi:
+      dims.append(b // _PEER_BYTES_PER_DIM[name](FLAGS.devices))
+      b *= FLAGS.step_factor
     path = os.path.join(tmp, f"{name}.yaml")
     with open(path, "w", encoding="utf-8") as f:
       f.write("global:\n  warmup_tries: 10\n  num_runs: 10\n  dtype: \"float32\"\n  xprof_timing: false\n"
@@ -98,7 +104,8 @@ def _peer(tmp: str, per_point: dict) -> float:
       raise SystemExit(f"bench_peer: the peer failed (exit {r.returncode}): {r.stderr.strip().splitlines()[-3:]}")
     with open(os.path.join(out, "summary.csv"), encoding="utf-8") as f:
       for row in csv.DictReader(f):
-        per_point.setdefault((name, int(row["matrix_dim"]) * 4096), []).append(float(row["p50_ms"]) * 1e3)
+        size = int(row["matrix_dim"]) * _PEER_BYTES_PER_DIM[name](FLAGS.devices)
+        per_point.setdefault((name, size), []).append(float(row["p50_ms"]) * 1e3)
   return time.perf_counter() - t0
 
 
