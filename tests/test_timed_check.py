@@ -91,28 +91,24 @@ class PPermuteOneWrong(collectives.PPermute):
     return (y,), y
 
 
-class GatherCorruptFirst(_Toggle, collectives.AllGather):
-  """An all-gather whose first repetition of each pair has its last element wrong (only element 0 used to be
-  fed forward; XLA dropped the rest of the first output as dead code)."""
+class _CorruptFirst(_Toggle):
+  """A held collective whose first repetition of each pair has its last element wrong (only element 0 used to
+  be fed forward; XLA dropped the rest of the first output as dead code)."""
+
+  def step(self, carry, axes, n, platform):
+    x = carry[0]
+    y = self.op(x, axes, n, platform)
+    if not self.second():
+      y = y.at[-1].add(1)
+    return (collectives.hold(x, y), y), y
+
+
+class GatherCorruptFirst(_CorruptFirst, collectives.AllGather):
   name = "all_gather corrupt on the first of each pair"
 
-  def step(self, carry, axes, n, platform):
-    x = carry[0]
-    y = self.op(x, axes, n, platform)
-    if not self.second():
-      y = y.at[-1].add(1)
-    return (collectives.hold(x, y), y), y
 
-
-class ReduceScatterCorruptFirst(_Toggle, collectives.ReduceScatter):
+class ReduceScatterCorruptFirst(_CorruptFirst, collectives.ReduceScatter):
   name = "reduce_scatter corrupt on the first of each pair"
-
-  def step(self, carry, axes, n, platform):
-    x = carry[0]
-    y = self.op(x, axes, n, platform)
-    if not self.second():
-      y = y.at[-1].add(1)
-    return (collectives.hold(x, y), y), y
 
 
 MUTANTS = [(AddsOneEverySecond, "float32"), (AddsOneEverySecond, "bfloat16"), (AllToAllOneWrongEverySecond, "float32"),
@@ -140,7 +136,7 @@ def test_a_collective_wrong_only_in_some_timed_repetitions_is_caught(mesh, mutan
   wrong_check, wrong, note = _timed(mesh, mutant(), plan, dtype, long_reps)
   assert wrong_check == 0  # right as one operation: the check program can't see it
   assert wrong == jax.device_count(), (wrong, note)  # every rank's sequence of outputs differs
-  real = collectives.get(mutant.__mro__[2].name if issubclass(mutant, _Toggle) else mutant.__mro__[1].name)
+  real = collectives.get(next(c for c in mutant.__mro__ if c.__module__ == collectives.__name__).name)
   assert _timed(mesh, real, plan, dtype, long_reps)[1:] == (0, (
       f"every output of the {2 + long_reps} checked repetitions (the untimed twins) and the final output after"
       f" all {3 * (2 + long_reps)} compared (digests)"))

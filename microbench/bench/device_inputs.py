@@ -39,11 +39,7 @@ def _tables(kind: str, dtype: str, n: int, count: int) -> dict[str, np.ndarray]:
   gi = ki.GroupInputs(kind, dtype, n, 0, count)
   tabs = {"h": ki._constants(1 << 24)[0].astype(np.int32)}  # [P]
   if gi.chunk:
-    modulus, c = ki._modulus(dtype), np.arange(n, dtype=np.int64)
-    f = (c * gi.step) % modulus
-    if (n - 1) * gi.step % modulus == 0:
-      f = np.where(c == n - 1, (-2 * gi.step) % modulus, f)
-    tabs["f"] = f.astype(np.int32)
+    tabs["f"] = gi.chunk_residue(np.arange(n)).astype(np.int32)
   return tabs
 
 
@@ -72,11 +68,10 @@ class Family:
   def rank_values(self, tabs: dict, g, q, count: int) -> jax.Array:
     """Rank q's whole input [count]: the data family, periodic in the element, is computed over one period
     and tiled (memcpy speed instead of four table lookups per element)."""
-    i = jax.lax.iota(jnp.int32, min(count, ki.PERIOD))
-    values = self.value(tabs, g, q, i)
-    if self.kind != "data" or count <= ki.PERIOD:
-      return values if self.kind == "data" else self.value(tabs, g, q, jax.lax.iota(jnp.int32, count))
-    return jnp.tile(values, -(-count // ki.PERIOD))[:count]
+    if self.kind != "data":
+      return self.value(tabs, g, q, jax.lax.iota(jnp.int32, count))
+    values = self.value(tabs, g, q, jax.lax.iota(jnp.int32, min(count, ki.PERIOD)))
+    return values if count <= ki.PERIOD else jnp.tile(values, -(-count // ki.PERIOD))[:count]
 
   def data_at(self, tabs: dict, g, q, j, n: int) -> jax.Array:
     """Data values of ranks q at elements j (arrays of one shape): from a table of every rank's period when the
@@ -137,16 +132,18 @@ def where_array(mesh: jax.sharding.Mesh, groups: np.ndarray) -> jax.Array:
   return jax.device_put(info.reshape(-1), jax.NamedSharding(mesh, jax.P(AXES)))
 
 
-def _replicated(mesh: jax.sharding.Mesh, tabs: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-  return {k: jax.device_put(v, jax.NamedSharding(mesh, jax.P())) for k, v in tabs.items()}
+@functools.lru_cache(maxsize=16)
+def _device_tables(mesh: jax.sharding.Mesh, family_key: tuple) -> dict[str, jax.Array]:
+  """A family's tables on every device, put there once (the generator and every comparison reuse them)."""
+  return {k: jax.device_put(v, jax.NamedSharding(mesh, jax.P())) for k, v in Family(*family_key).host_tables.items()}
 
 
 @functools.lru_cache(maxsize=16)
-def _generator(mesh: jax.sharding.Mesh, family_key: tuple, dtype: str, per_rank: int, names: tuple) -> Callable:
+def _generator(mesh: jax.sharding.Mesh, family_key: tuple, per_rank: int, names: tuple) -> Callable:
   family = Family(*family_key)
 
   def per_device(where, tabs):
-    return family.rank_values(tabs, where[0], where[1], per_rank).astype(dtype)
+    return family.rank_values(tabs, where[0], where[1], per_rank).astype(family.dtype)
 
   specs = {k: jax.P() for k in names}
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), specs), out_specs=jax.P(AXES),
@@ -155,8 +152,8 @@ def _generator(mesh: jax.sharding.Mesh, family_key: tuple, dtype: str, per_rank:
 
 def inputs(mesh: jax.sharding.Mesh, family: Family, where: jax.Array, per_rank: int) -> jax.Array:
   """The known inputs of every rank, [devices x per_rank] in the dtype, made on the devices."""
-  tabs = _replicated(mesh, family.host_tables)
-  return _generator(mesh, family.key(), family.dtype, per_rank, tuple(sorted(tabs)))(where, tabs)
+  tabs = _device_tables(mesh, family.key())
+  return _generator(mesh, family.key(), per_rank, tuple(sorted(tabs)))(where, tabs)
 
 
 def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_count: int, n: int,
@@ -165,7 +162,7 @@ def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_c
   e = jax.lax.iota(jnp.int32, out_count)
   if family.kind != "data":
     values = family.reduced(tabs, g, coll.reduced_at(r, e, n, in_count))
-    if getattr(coll, "redop", None) == "avg":
+    if coll.redop == "avg":
       recip = float(ki.as_dtype(np.float32(1) / np.float32(n), wire_dtype))
       wire = jnp.dtype(getattr(jnp, wire_dtype))
       return (values.astype(wire) * jnp.asarray(recip, wire)).astype(wire).astype(family.dtype)
@@ -200,7 +197,7 @@ def compare(mesh: jax.sharding.Mesh, coll, family: Family, y: jax.Array, where: 
             in_count: int, n: int, wire_dtype: str) -> np.ndarray:
   """[devices, 2] for this process's devices, by mesh position (others -1): wrong elements and the first wrong
   element's index (out_count when none)."""
-  tabs = _replicated(mesh, family.host_tables)
+  tabs = _device_tables(mesh, family.key())
   args = (mesh, coll, family.key(), out_count, in_count, n, wire_dtype, tuple(sorted(tabs)))
   quick = _comparison(*args, exact=False)(y, where, tabs)
   out = np.full((mesh.size, 2), -1, np.int64)

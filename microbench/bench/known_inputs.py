@@ -168,18 +168,22 @@ class GroupInputs:
       self.q_max = {"max": _base(dtype) - 2, "min": HALF[dtype]}.get(kind) or max(
           1, (_base(dtype) - 1) // max(1, self.k - 1))
 
+  def chunk_residue(self, c: np.ndarray) -> np.ndarray:
+    """f(c): the residue offset of reduce-scatter chunk c, c w mod L, the last chunk moved off the first's
+    residue where c w would equal it (sums whose count is a multiple of n)."""
+    c, w, modulus = np.asarray(c, np.int64), self.step, _modulus(self.dtype)
+    f = (c * w) % modulus
+    if (self.n - 1) * w % modulus == 0:
+      f = np.where(c == self.n - 1, (-2 * w) % modulus, f)
+    return f
+
   def target(self, i: np.ndarray) -> np.ndarray:
     """T_i: the exact total at elements i (sums)."""
     i = np.asarray(i, np.int64)
-    modulus = _modulus(self.dtype)
     residue = i
-    if self.chunk:  # offset in the chunk + the chunk's step; the last chunk moved off the first's residue
-      c, w = i // self.chunk, self.step
-      f = (c * w) % modulus
-      if (self.n - 1) * w % modulus == 0:
-        f = np.where(c == self.n - 1, (-2 * w) % modulus, f)
-      residue = i % self.chunk + f
-    return _base(self.dtype) + (residue + GROUP_STEP * self.group_index) % modulus
+    if self.chunk:  # offset in the chunk + the chunk's step
+      residue = i % self.chunk + self.chunk_residue(i // self.chunk)
+    return _base(self.dtype) + (residue + GROUP_STEP * self.group_index) % _modulus(self.dtype)
 
   def _rule(self, i: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(window start, free value q, last value) at elements i: what every rank's value there follows from."""
@@ -209,10 +213,7 @@ class GroupInputs:
     q = _repeat((1 + h % self.q_max).astype(np.int32), count)
     modulus, g = _modulus(self.dtype), GROUP_STEP * self.group_index
     if self.chunk:
-      c, w = np.arange(n, dtype=np.int64), self.step
-      f = (c * w) % modulus
-      if (n - 1) * w % modulus == 0:
-        f = np.where(c == n - 1, (-2 * w) % modulus, f)
+      f = self.chunk_residue(np.arange(n))
       residue = (np.arange(self.chunk, dtype=np.int64)[None, :] + (f + g)[:, None]) % modulus
       target = (_base(self.dtype) + residue).astype(np.int32).reshape(-1)
     else:
