@@ -34,7 +34,7 @@ from meshes.parallelism import constrain
 from models.layers import EXCHANGED, param
 
 EXPERT = "expert"
-STATS = ("moe_dropped", "moe_assignments", "moe_load_balance", "moe_z_loss")
+STATS = ("moe_dropped", "moe_assignments", "moe_load_balance", "moe_z_loss", "moe_expert_assignments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,13 +222,14 @@ def _route_and_run(x_GD, router_DE, w_up, w_gate, w_down, cfg: MoeConfig, ep_axi
   y_GD = combine(y_kGD, weights_Gk, keep_kG)
 
   tokens = total(jnp.asarray(g, f32))
-  share_E = total(jnp.sum(jax.nn.one_hot(idx_kG, e, dtype=f32), axis=(0, 1))) / (tokens * k)
+  assigned_E = total(jnp.sum(jax.nn.one_hot(idx_kG, e, dtype=f32), axis=(0, 1)))  # [E], the whole batch's
+  share_E = assigned_E / (tokens * k)
   prob_E = total(jnp.sum(probs_GE, axis=0)) / tokens
   load_balance = e * jnp.sum(share_E * prob_E)
   z_loss = total(jnp.sum(jax.nn.logsumexp(logits_GE, axis=-1) ** 2)) / tokens
   aux = cfg.aux_loss_coef * load_balance + cfg.z_loss_coef * z_loss
   stats = {"moe_dropped": total(jnp.sum(~keep_kG).astype(f32)), "moe_assignments": tokens * k,
-           "moe_load_balance": load_balance, "moe_z_loss": z_loss}
+           "moe_load_balance": load_balance, "moe_z_loss": z_loss, "moe_expert_assignments": assigned_E}
   return y_GD, aux, stats
 
 

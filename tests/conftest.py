@@ -102,6 +102,13 @@ def netns_problem() -> str | None:
 #                a --durations run of the whole suite on the 2-core VM, but for one end-to-end test per command
 #                (sweep, training, launcher) and the bad-input lines, which stay in the fast suite.
 SLOW = (
+    "tests/test_ragged.py::test_the_sweep_records_every_distribution_ok_and_checked",
+    "tests/test_ragged.py::test_an_expert_parallel_run_reports_its_dispatch",
+    "tests/test_overlap.py::test_overlap_mode_end_to_end_on_8_cpu_devices",
+    "tests/test_overlap.py::test_on_gpus_the_matmul_runs_between_the_collectives_start_and_done",
+    "tests/test_overlap.py::test_target_sweep_records_the_schedule_read_from_xlas_own_dump",
+    "tests/test_command_buffer.py::test_a_target_sweep_with_both_compiles_and_checks_both_arms",
+    "tests/test_inplace.py::test_cli_refuses_what_has_no_meaning_in_one_line_and_skips_small_groups",
     "tests/test_cli.py::test_a_flag_absl_rejects_is_one_clear_line",
     "tests/test_cli.py::test_a_hang_in_a_single_process_is_recorded_and_ends_the_run",
     "tests/test_cli.py::test_crash_keeps_finished_points_and_resume_completes_the_sweep",

@@ -31,6 +31,8 @@ def test_every_user_takes_the_one_busbw_factor(name, n):
 def test_reductions_with_other_operators_share_their_familys_factor():
   for name, coll in bench_collectives.REGISTRY.items():
     family = type(coll).name
+    if family == "ragged_all_to_all":  # its factor is its send sizes' (ragged_busbw_factor; tests/test_ragged.py)
+      continue
     assert coll.busbw_factor(8) == conventions.busbw_factor(family, 8), name
 
 

@@ -19,13 +19,15 @@ Adding one: subclass `Collective`, fill in the few methods, decorate with `@regi
 from __future__ import annotations
 
 import abc
+import copy
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from microbench.bench import reduce_ops
+from microbench.bench import ragged_sizes, reduce_ops
 from microbench.bench.known_inputs import FP8, GroupInputs, as_dtype
 from microbench.fabric import conventions
 
@@ -38,7 +40,46 @@ def register(cls: type["Collective"]) -> type["Collective"]:
 
 
 def get(name: str) -> "Collective":
-  return REGISTRY[name]
+  """The collective `name`: a registered one, or a variant named by suffix, made on first use: `_inplace` (the
+  output aliases the input: `with_inplace`), `broadcast_root<R>` (`with_root`). Raises KeyError."""
+  if name in REGISTRY:
+    return REGISTRY[name]
+  if name not in _VARIANTS:
+    _VARIANTS[name] = _variant(name)
+  return _VARIANTS[name]
+
+
+_VARIANTS: dict[str, "Collective"] = {}  # made by `get` on first use (REGISTRY keeps the built-in ones)
+
+
+INPLACE = "_inplace"
+
+
+def _variant(name: str) -> "Collective":
+  base, inplace = (name[:-len(INPLACE)], True) if name.endswith(INPLACE) else (name, False)
+  m = re.fullmatch(r"broadcast_root(\d+)", base)
+  if m and int(m[1]) > 0:
+    coll = copy.copy(get("broadcast"))
+    coll.root, coll.name = int(m[1]), base
+  elif inplace and not base.endswith(INPLACE):
+    coll = get(base).in_place_form()
+  else:
+    raise KeyError(name)
+  if inplace:
+    coll.inplace, coll.name = True, name
+  return coll
+
+
+def with_inplace(name: str) -> "Collective":
+  """`name` run in place (nccl-tests' in-place columns): its input donated, its output in the input's buffer."""
+  return get(name + INPLACE)
+
+
+def with_root(name: str, root: int) -> "Collective":
+  """Broadcast from group rank `root` (nccl-tests' -r); other collectives have no root: themselves."""
+  if name != "broadcast" or root == 0:
+    return get(name)
+  return get(f"broadcast_root{root}")
 
 
 class Collective(abc.ABC):
@@ -49,6 +90,8 @@ class Collective(abc.ABC):
   inputs: str = "data"  # known-input family: "data" (data only moves) or the reduction's ("sum", "max", ...)
   ordered_groups: bool = False  # output order follows the replica group's order (checked in the HLO)
   redop: str | None = None  # reductions: the operator (nccl-tests' -o)
+  inplace: bool = False  # the output aliases the input (donated): nccl-tests' in-place columns
+  root: int | None = None  # rooted collectives (broadcast): the source's group rank (nccl-tests' -r)
 
   def refuses(self, dtype: str) -> str | None:
     """Why this collective can't run in `dtype` (one line), or None."""
@@ -58,6 +101,28 @@ class Collective(abc.ABC):
   def writes_message(self) -> bool:
     """The op itself writes the message besides the collective (avg's multiplication by 1/n)."""
     return False
+
+  def refuses_group(self, n: int) -> str | None:
+    """Why this collective can't run over groups of n (one line), or None."""
+    return None
+
+  def in_place_form(self) -> "Collective":
+    """A fresh instance of this collective's in-place form: the same op with its input donated, unless its
+    input and output differ in size (all-gather, reduce-scatter: nccl-tests' layouts, their own classes)."""
+    return copy.copy(self)
+
+  def op_elements(self, count: int, n: int) -> int:
+    """Elements per rank the collective instruction itself produces (the HLO check's count)."""
+    return self.out_count(count, n)
+
+  def keeps_input(self, rank: jax.Array, e: jax.Array, n: int, in_count: int) -> jax.Array | None:
+    """Reductions in place (reduce-scatter): which output elements e are the rank's own input, unchanged
+    (traced); None where the whole output is the collective's."""
+    return None
+
+  def hlo_groups(self, groups: np.ndarray) -> np.ndarray:
+    """The replica groups the op shows in the HLO, given the scope's groups in group-rank order."""
+    return groups
 
   def count_multiple(self, n: int) -> int:
     """Per-rank element count (of the S buffer) must be a multiple of this."""
@@ -81,8 +146,9 @@ class Collective(abc.ABC):
   feedback: str = "hold"  # "hold": the inputs stay, the output is kept beside them; "chain": output -> input
 
   def feedback_on(self, platform: str) -> str:
-    """How the timed repetitions feed one another on `platform`."""
-    return self.feedback
+    """How the timed repetitions feed one another on `platform`: in place, always a chain (the output takes
+    the input's buffer, so the input is gone)."""
+    return "chain" if self.inplace else self.feedback
 
   def carry(self, x: jax.Array, out_count: int, platform: str) -> tuple[jax.Array, ...]:
     """The loop carry the timed repetitions start from: the inputs, and for "hold" a slot for the output."""
@@ -138,6 +204,11 @@ class Collective(abc.ABC):
     ran in (only avg rounds)."""
     return values
 
+  def expected_finished(self, inputs: GroupInputs, rank: int, in_count: int, start: int, stop: int,
+                        wire_dtype: str) -> np.ndarray:
+    """Output elements [start, stop) of group rank `rank` as the program must produce them."""
+    return self.finish(inputs, self.expected(inputs, rank, in_count, start, stop), wire_dtype)
+
   def source(self, rank: jax.Array, e: jax.Array, n: int, in_count: int) -> tuple[jax.Array, jax.Array]:
     """Data collectives, on the devices (traced): (source group rank, source element) of output elements e of
     group rank `rank`, the known input that lands there (device_inputs builds the expected output from it)."""
@@ -179,6 +250,13 @@ class Reduction(Collective):
   def writes_message(self):
     return self.redop == "avg"
 
+  def rep_output(self, rank, k, n, platform):
+    """Chained (in place, or XLA:GPU's all-reduce), max and min are fixed points (idempotent); a sum, product
+    or average grows each repetition, which no known buffer holds."""
+    if self.feedback_on(platform) == "chain" and self.redop not in ("max", "min"):
+      return None
+    return ("out", rank)
+
   def impl(self, platform):
     op = self.hlo_expect(platform)
     return {"sum": op, "avg": f"{op} (sum), x 1/n: XLA has no average"}.get(self.redop, f"{op} ({self.redop})")
@@ -208,15 +286,10 @@ class AllReduce(Reduction):
   name, hlo_op = "all_reduce", "all-reduce"
 
   def feedback_on(self, platform):
-    return "chain" if platform == "gpu" else "hold"
+    return "chain" if platform == "gpu" or self.inplace else "hold"
 
   def digest_each(self, platform):
     return platform != "gpu"  # the next in-place all-reduce overwrites the output a digest would read
-
-  def rep_output(self, rank, k, n, platform):
-    if self.feedback_on(platform) == "chain" and self.redop not in ("max", "min"):
-      return None
-    return ("out", rank)
 
   def op(self, x, axes, n, platform):
     return reduce_ops.all_reduce(x, axes, self.redop)
@@ -317,11 +390,13 @@ class AllToAll(Collective):
 
 @register
 class Broadcast(Collective):
-  """From group rank 0. Where XLA lowers `collective-broadcast` (GPUs) that is what runs; elsewhere the
+  """From group rank `root` (0 unless `with_root`). Where XLA lowers `collective-broadcast` (GPUs) that is what
+  runs, its replica groups led by the root (XLA's form: the first rank of a group is the source); elsewhere the
   masked all-reduce JAX documents as its equivalent, recorded as the record's `impl`. `native` is the one
   place that decides, from the mesh's platform."""
   name, hlo_op, ordered_groups = "broadcast", "collective-broadcast", True
-  feedback = "chain"  # every repetition after the first broadcasts rank 0's input again
+  feedback = "chain"  # every repetition after the first broadcasts the root's input again
+  root = 0
 
   @staticmethod
   def native(platform: str) -> bool:
@@ -333,19 +408,28 @@ class Broadcast(Collective):
   def impl(self, platform):
     return "collective-broadcast" if self.native(platform) else "masked all-reduce"
 
+  def refuses_group(self, n):
+    if self.root >= n:
+      return f"--root={self.root} is not a rank of groups of {n} (roots are group ranks 0..{n - 1})"
+    return None
+
+  def hlo_groups(self, groups):
+    order = [self.root] + [r for r in range(groups.shape[1]) if r != self.root]
+    return groups[:, order]
+
   def op(self, x, axes, n, platform):
     if self.native(platform):
-      return lax.pbroadcast(x, axes, 0)
-    return lax.psum(jnp.where(lax.axis_index(axes) == 0, x, jnp.zeros_like(x)), axes)
+      return lax.pbroadcast(x, axes, self.root)
+    return lax.psum(jnp.where(lax.axis_index(axes) == self.root, x, jnp.zeros_like(x)), axes)
 
   def reference(self, xs):
-    return np.broadcast_to(xs[0], xs.shape)
+    return np.broadcast_to(xs[self.root], xs.shape)
 
   def source(self, rank, e, n, in_count):
-    return jnp.zeros_like(e), e
+    return jnp.full_like(e, self.root), e
 
   def expected(self, inputs, rank, in_count, start, stop):
-    return inputs.rank(0, start, stop)
+    return inputs.rank(self.root, start, stop)
 
 
 
@@ -401,6 +485,93 @@ def _from_chunks(chunk: int, start: int, stop: int, source) -> np.ndarray:
   return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
+class InPlaceAllGather(AllGather):
+  """nccl-tests' in-place all-gather: one buffer of S per rank, whose slice `rank` is the rank's input (the
+  known input is S long; its own slice is what the rank sends). XLA reads the slice with a dynamic-slice (a
+  write of S/n, reported as the loop body's write) and gathers into the donated buffer. Chained, the output
+  is a fixed point: its slice `rank` is the input's."""
+
+  def in_count(self, count, n):
+    return count
+
+  def op(self, x, axes, n, platform):
+    chunk = x.shape[0] // n
+    return lax.all_gather(lax.dynamic_slice(x, (lax.axis_index(axes) * chunk,), (chunk,)), axes, tiled=True)
+
+  def reference(self, xs):
+    n = xs.shape[0]
+    chunk = xs.shape[1] // n
+    gathered = np.concatenate([xs[q, q * chunk:(q + 1) * chunk] for q in range(n)])
+    return np.broadcast_to(gathered, xs.shape)
+
+  def source(self, rank, e, n, in_count):
+    return e // (in_count // n), e
+
+  def expected(self, inputs, rank, in_count, start, stop):
+    chunk = in_count // inputs.n
+    return _from_chunks(chunk, start, stop, lambda j, a, b: inputs.rank(j, j * chunk + a, j * chunk + b))
+
+
+class InPlaceReduceScatter(ReduceScatter):
+  """nccl-tests' in-place reduce-scatter: the rank's reduced block is written over slice `rank` of its input
+  (a dynamic-update-slice of S/n into the donated buffer); the rest of the buffer is the rank's input,
+  unchanged, and checked as such."""
+
+  def out_count(self, count, n):
+    return count
+
+  def op_elements(self, count, n):
+    return count // n
+
+  def op(self, x, axes, n, platform):
+    y = reduce_ops.reduce_scatter(x, axes, n, self.redop)
+    return lax.dynamic_update_slice(x, y, (lax.axis_index(axes) * y.shape[0],))
+
+  def reference(self, xs):
+    n = xs.shape[0]
+    chunk = xs.shape[1] // n
+    out = np.array(xs, copy=True).astype(np.result_type(xs, self.combine(xs)))
+    reduced = self.combine(xs)
+    for r in range(n):
+      out[r, r * chunk:(r + 1) * chunk] = reduced[r * chunk:(r + 1) * chunk]
+    return out
+
+  def reduced_at(self, rank, e, n, in_count):
+    return e
+
+  def keeps_input(self, rank, e, n, in_count):
+    chunk = in_count // n
+    return (e < rank * chunk) | (e >= (rank + 1) * chunk)
+
+  def expected(self, inputs, rank, in_count, start, stop):
+    chunk = in_count // inputs.n
+    lo, hi = max(start, rank * chunk), min(stop, (rank + 1) * chunk)
+    own = np.array(inputs.rank(rank, start, stop), dtype=np.int64, copy=True)
+    if lo < hi:
+      own[lo - start:hi - start] = inputs.reduced(lo, hi)
+    return own
+
+  def expected_finished(self, inputs, rank, in_count, start, stop, wire_dtype):
+    """Only the reduced block is finished (avg's rounding); the rest is the input as it was."""
+    chunk = in_count // inputs.n
+    lo, hi = max(start, rank * chunk), min(stop, (rank + 1) * chunk)
+    out = self.expected(inputs, rank, in_count, start, stop).astype(np.float64)
+    if lo < hi:
+      out[lo - start:hi - start] = self.finish(inputs, out[lo - start:hi - start], wire_dtype)
+    return out
+
+
+def _in_place_gather(self) -> Collective:
+  return InPlaceAllGather()
+
+
+def _in_place_scatter(self) -> Collective:
+  return InPlaceReduceScatter(self.redop)
+
+
+AllGather.in_place_form = _in_place_gather
+ReduceScatter.in_place_form = _in_place_scatter
+
 NAMES = tuple(REGISTRY)  # the collectives; the reductions' other operators are variants of two of them
 for _name in ("all_reduce", "reduce_scatter"):
   for _op in reduce_ops.OPS[1:]:
@@ -413,3 +584,133 @@ def with_op(name: str, op: str) -> Collective:
   if not isinstance(coll, Reduction) or op == "sum":
     return coll
   return get(f"{name}_{op}")
+
+
+class RaggedAllToAll(Collective):
+  """`jax.lax.ragged_all_to_all` with one of ragged_sizes' MoE-like send-size distributions (uniform is the
+  plain name; `ragged_all_to_all_skewed`, `_hot_expert`, `_empty_sends`): rank r sends sizes[r][d] elements of
+  its buffer to rank d, runs packed in source order in d's output (ragged_sizes.Layout).
+
+  S is the per-rank input: the `count` elements every rank sends, its own share included. The output holds
+  n x the largest single run (at least the largest receive); what no one sends to stays as the output buffer
+  had it, zeros (the check program's buffer is zeros, and each timed repetition writes into the previous
+  one's output, whose unused elements are zeros from the first), and is checked like the rest. busbw counts
+  the bytes actually sent (no padding) at the busiest rank: the most any rank sends to or receives from the
+  others, over S (fabric.conventions.ragged_busbw_factor; uniform with n | count gives all-to-all's
+  (n-1)/n). The sizes differ by count, so the factor does too; without a count, the distribution's exact
+  shares give it (the limit the sizes round to).
+
+  Held: every repetition sends the known inputs again into the previous output, so each must reproduce the
+  check program's output. XLA:GPU runs `ragged-all-to-all-start`/`-done`; XLA:CPU has no ragged-all-to-all
+  ("not supported by XLA:CPU ThunkEmitter"), so on CPU it is a dense all-to-all of the runs padded to the
+  largest (n x block elements moved, `impl` says so), unpacked into the output buffer: the same output, not
+  the same traffic."""
+  name, hlo_op, ordered_groups = "ragged_all_to_all", "ragged-all-to-all", True
+
+  def __init__(self, dist: str = "uniform"):
+    self.dist = dist
+    if dist != "uniform":
+      self.name = f"{type(self).name}_{dist}"
+
+  @staticmethod
+  def native(platform: str) -> bool:
+    return platform == "gpu"
+
+  def refuses(self, dtype):
+    if self.inplace:
+      return (f"{self.name}: the ragged all-to-all has no in-place form (its output, n x the largest run, and its"
+              " input differ in size)")
+    return None
+
+  def layout(self, count: int, n: int) -> ragged_sizes.Layout:
+    return ragged_sizes.layout(self.dist, n, count)
+
+  def out_count(self, count, n):
+    return self.layout(count, n).out_count
+
+  def busbw_factor(self, n, count: int | None = None):
+    if count is None:
+      return conventions.ragged_busbw_factor(ragged_sizes.weight_shares(self.dist, n))
+    return conventions.ragged_busbw_factor(self.layout(count, n).sizes.tolist())
+
+  def hlo_expect(self, platform):
+    return "ragged-all-to-all" if self.native(platform) else "all-to-all"
+
+  def impl(self, platform):
+    if self.native(platform):
+      return f"ragged-all-to-all ({self.dist} sizes)"
+    return f"padded all-to-all ({self.dist} sizes; XLA:CPU has no ragged-all-to-all)"
+
+  def op(self, x, axes, n, platform):
+    return self.exchange(x, jnp.zeros((self.out_count(x.shape[0], n),), x.dtype), axes, n, platform)
+
+  def step(self, carry, axes, n, platform):
+    """The inputs stay untouched: each repetition writes into the previous one's output, which orders them
+    (the op takes it as its buffer). Rewriting an input element as `hold` does made XLA:CPU copy the input
+    in the 2-repetition program (the emulation's gather fused with the update)."""
+    x, buf = carry
+    y = self.exchange(x, buf, axes, n, platform)
+    return (x, y), y
+
+  def tables(self, count: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the op is told: (sizes, input offsets, output offsets) [source, destination]. The check's
+    expectation (`source`, `expected`, `reference`) reads `layout` itself, so a wrong table shows."""
+    lay = self.layout(count, n)
+    return lay.sizes, lay.input_offsets, lay.output_offsets
+
+  def exchange(self, x: jax.Array, buf: jax.Array, axes: tuple[str, ...], n: int, platform: str) -> jax.Array:
+    """The ragged all-to-all of this rank's `x` into `buf` (its output buffer, returned updated)."""
+    sizes, in_off, out_off = (jnp.asarray(t, jnp.int32) for t in self.tables(x.shape[0], n))
+    r = lax.axis_index(axes)
+    if self.native(platform):
+      return lax.ragged_all_to_all(x, buf, in_off[r], sizes[r], out_off[r], sizes[:, r], axis_name=axes)
+    block = self.layout(x.shape[0], n).block
+    # The packing reads the inputs at indices that depend on the buffer's first element (never the dtype's
+    # lowest number in a correct output): a loop-invariant gather and all-to-all could be hoisted otherwise.
+    lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo(x.dtype).min
+    after = (buf[0] == jnp.asarray(lowest, buf.dtype)).astype(jnp.int32)
+    at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :] + after, x.shape[0] - 1)
+    got = lax.all_to_all(x[at], axes, 0, 0, tiled=True)  # [n, block]: row q from source q
+    q, j, used = self._unpack(out_off[:, r], sizes[:, r], lax.iota(jnp.int32, buf.shape[0]))
+    return jnp.where(used, got[q, jnp.minimum(j, block - 1)], buf)
+
+  @staticmethod
+  def _unpack(off: jax.Array, size: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For output elements e of one receiver (runs at `off`, `size` long, by source): (source, element of the
+    source's run, whether any run covers e)."""
+    # The last run starting at or before e (n compares per element, one fused pass; jnp.searchsorted's scan is
+    # a while loop whose carry XLA:CPU copies, a message-sized write per repetition).
+    q = jnp.maximum(jnp.sum((e[:, None] >= off[None, :]).astype(jnp.int32), axis=1) - 1, 0)
+    j = e - off[q]
+    return q, j, j < size[q]
+
+  def source(self, rank, e, n, in_count):
+    lay = self.layout(in_count, n)
+    sizes, in_off, out_off = (jnp.asarray(t, jnp.int32) for t in (lay.sizes, lay.input_offsets, lay.output_offsets))
+    q, j, used = self._unpack(out_off[:, rank], sizes[:, rank], e)
+    return jnp.where(used, q, -1), in_off[q, rank] + j
+
+  def reference(self, xs):
+    n, count = xs.shape
+    lay = self.layout(count, n)
+    out = np.zeros((n, lay.out_count), xs.dtype)
+    for r in range(n):
+      for d in range(n):
+        a, s, o = lay.input_offsets[r, d], lay.sizes[r, d], lay.output_offsets[r, d]
+        out[d, o:o + s] = xs[r, a:a + s]
+    return out
+
+  def expected(self, inputs, rank, in_count, start, stop):
+    lay = self.layout(in_count, inputs.n)
+    out = np.zeros(max(0, stop - start), np.int64)
+    for q in range(inputs.n):
+      o, s, a = int(lay.output_offsets[q, rank]), int(lay.sizes[q, rank]), int(lay.input_offsets[q, rank])
+      lo, hi = max(start, o), min(stop, o + s)
+      if lo < hi:
+        out[lo - start:hi - start] = inputs.rank(q, a + lo - o, a + hi - o)
+    return out
+
+
+RAGGED = tuple(f"ragged_all_to_all{'' if d == 'uniform' else '_' + d}" for d in ragged_sizes.DISTRIBUTIONS)
+for _dist, _name in zip(ragged_sizes.DISTRIBUTIONS, RAGGED):  # run by name only: not in NAMES (`all`)
+  REGISTRY[_name] = RaggedAllToAll(_dist)

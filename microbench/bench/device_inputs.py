@@ -165,10 +165,15 @@ def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_c
     if coll.redop == "avg":
       recip = float(ki.as_dtype(np.float32(1) / np.float32(n), wire_dtype))
       wire = jnp.dtype(getattr(jnp, wire_dtype))
-      return (values.astype(wire) * jnp.asarray(recip, wire)).astype(wire).astype(family.dtype)
-    return values.astype(family.dtype)
-  q, j = coll.source(r, e, n, in_count)
-  return family.data_at(tabs, g, jnp.broadcast_to(q, e.shape), j, n).astype(family.dtype)
+      values = (values.astype(wire) * jnp.asarray(recip, wire)).astype(wire)
+    values = values.astype(family.dtype)
+    keep = coll.keeps_input(r, e, n, in_count)  # in place: the rest of the buffer is the rank's own input
+    if keep is not None:
+      values = jnp.where(keep, family.rank_values(tabs, g, r, in_count).astype(family.dtype), values)
+    return values
+  q, j = coll.source(r, e, n, in_count)  # q < 0: no source (a ragged output's unused tail), the value is 0
+  q = jnp.broadcast_to(q, e.shape)
+  return jnp.where(q >= 0, family.data_at(tabs, g, jnp.maximum(q, 0), j, n), 0).astype(family.dtype)
 
 
 @functools.lru_cache(maxsize=16)

@@ -18,7 +18,12 @@ checked against what it must be:
 - no instruction besides the collective writes a buffer of the message's size in a timed program (judged by
   the bytes each instruction writes, not by its opcode: a copy, or a slice, concatenate, convert or reverse
   fusion; an in-place dynamic-update-slice writes only its update); what the loop body writes besides the
-  collective is reported.
+  collective is reported;
+- in place (nccl-tests' in-place columns), the program's result takes its donated input's buffer
+  (`input_output_alias`), and where XLA runs the op itself out of place, the copy of the message back into
+  that buffer is counted (`copies`), not hidden: it is what an in-place call costs in XLA;
+- with `--command_buffer` on a GPU, the collective (and the timed loop) runs inside a command buffer when one
+  was asked and outside when not (`verify_command_buffer`, read from XLA:GPU's thunk sequence, not the HLO).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import re
 
 import numpy as np
 
-from microbench.hlo import parse
+from microbench.hlo import parse, thunks
 from microbench.hlo.parse import HloCollective, find_collectives
 
 HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "float8_e4m3fn": "f8e4m3fn",
@@ -61,6 +66,10 @@ class Expectation:
   # Writes made under this named scope are not failures (still reported): XLA:CPU never fuses a producer
   # into an integer reduction, so the timed digest's hash is written out there; GPUs fuse it (None: strict).
   exempt_scope: str | None = None
+  # In place: the first result must take the first parameter's buffer (donated, `input_output_alias`), and
+  # message-sized copies (an op XLA runs out of place, its output copied back into that buffer) are counted
+  # in Verified.copies instead of failing.
+  aliased: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +82,18 @@ class Verified:
   emitted: tuple[str, ...] = ()  # the op's opcodes as compiled (`all-reduce-start` ...)
   sync_starts: int = 0     # async starts XLA:GPU marked to run synchronously
   body_writes: int | None = None  # elements the loop body writes besides the collective, per trip
+  copies: int | None = None  # in place: message-sized copies per call (0: the op itself ran in place)
+  # XLA:GPU's command buffers as compiled (verify_command_buffer): asked, and how many of the collectives and
+  # loops run inside one; None where the thunk sequence was not read
+  command_buffer: dict | None = None
 
   def facts(self) -> dict:
     """The record's view: what ran, as compiled."""
     return {"op_emitted": sorted(set(self.emitted)), "executions": self.executions,
             "executions_in_loop": self.in_loop, "trip_counts": sorted(set(self.trip_counts)),
-            "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes}
+            "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes,
+            **({"inplace_copies": self.copies} if self.copies is not None else {}),
+            **({"command_buffer": self.command_buffer} if self.command_buffer is not None else {})}
 
 
 def expected_groups(op: str, groups: np.ndarray, ordered: bool = False) -> frozenset:
@@ -181,13 +196,22 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
-  writes = None
+  if exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0:
+    raise HloMismatch("in place asked, but the program's result does not take its input's buffer (no"
+                      f" input_output_alias of the result to parameter 0): {hlo_text.split(chr(10), 1)[0][:240]}")
+  writes, copies = None, None
   if exp.copy_limit is not None:
-    writes = _no_big_writes(hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op,
-                            exempt_scope=exp.exempt_scope)
+    writes, copies = _no_big_writes(hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op,
+                                    exempt_scope=exp.exempt_scope, count_copies=counts if exp.aliased else None)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync), writes)
+                  sum(1 for c in matches if c.sync), writes, copies)
+
+
+def _first_output(hlo_text: str) -> tuple[int, ...]:
+  """The alias index of the program's first result: () for a single array, (0,) for a tuple."""
+  layout = re.search(r"entry_computation_layout=\{\(.*?\)->(\(?)", hlo_text.split("\n", 1)[0])
+  return (0,) if layout and layout.group(1) else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,19 +279,50 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
 
 
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
-                   op_writes: bool = False, exempt_scope: str | None = None) -> int:
+                   op_writes: bool = False, exempt_scope: str | None = None,
+                   count_copies: dict[str, int | None] | None = None) -> tuple[int, int | None]:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
   slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
-  `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. Returns
-  the elements the loop body writes besides the collective, per trip."""
-  body = 0
+  `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. With
+  `count_copies` (in place: each computation's executions per call) message-sized copies are counted instead.
+  Returns the elements the loop body writes besides the collective, per trip, and the copies per call."""
+  body, copies = 0, None if count_copies is None else 0
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:
         body += elements
+      if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
+        copies += count_copies.get(name) or 1
+        continue
       exempt = exempt_scope is not None and f"/{exempt_scope}/" in ins.line and ins.opcode != "copy"
       if elements >= limit and not exempt and (not op_writes or ins.opcode in ("copy", "copy-start")):
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
                           f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
-  return body
+  return body, copies
+
+
+def verify_command_buffer(verified: Verified, thunk_text: str | None, on: bool, loop: bool) -> Verified:
+  """Where XLA:GPU runs the program's collectives (and, with `loop`, its timed while loop): inside a command
+  buffer when `on` was asked, launched on their own when it was not; raises HloMismatch otherwise. Read from
+  XLA's thunk sequence (microbench.hlo.thunks): XLA:GPU forms command buffers after the HLO."""
+  asked = "yes" if on else "no"
+  if thunk_text is None:
+    raise HloMismatch("can't tell whether the collective runs inside a command buffer: XLA:GPU dumped no thunk"
+                      " sequence (a hit in JAX's persistent compilation cache compiles nothing)")
+  found = thunks.placement(thunk_text)
+  if found.collectives == 0:
+    raise HloMismatch(f"XLA:GPU's thunk sequence has no collective thunk for {verified.match.op}:"
+                      f" {thunk_text.strip().splitlines()[:3]}")
+  if loop and found.loops == 0:
+    raise HloMismatch("XLA:GPU's thunk sequence has no while loop for the timed repetitions")
+  if on and found.outside:
+    raise HloMismatch(
+        f"--command_buffer=yes, but XLA:GPU launches {found.collectives - found.collectives_inside} of"
+        f" {found.collectives} collective thunks and {found.loops - found.loops_inside} of {found.loops} loops"
+        f" outside any command buffer (XLA leaves collectives and loops out when the CUDA driver or runtime is"
+        f" older than 12.3): {found.outside[0][:160]}")
+  if not on and found.command_buffers:
+    raise HloMismatch(f"--command_buffer=no, but XLA:GPU formed {found.command_buffers} command buffer(s): the"
+                      " option xla_gpu_enable_command_buffer='' was not honoured")
+  return dataclasses.replace(verified, command_buffer={"asked": asked, **found.facts()})

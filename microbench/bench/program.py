@@ -37,6 +37,7 @@ import numpy as np
 
 from meshes.scopes import ScopePlan
 from meshes.topology import AXES
+from microbench.bench import command_buffer as cmdbuf
 from microbench.bench import device_inputs, hlo_check, known_inputs
 from microbench.bench.collectives import Collective
 
@@ -170,36 +171,59 @@ def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, pla
                  timed: bool) -> hlo_check.Expectation:
   op = coll.hlo_expect(platform)
   n = scope.group_size
+  message = max(2, min(coll.in_count(count, n), coll.out_count(count, n)))
   return hlo_check.Expectation(
-      op=op, groups=scope.groups, ordered=coll.ordered_groups and op != "all-reduce", dtype=dtype,
-      elements=coll.out_count(count, n), executions=reps,
+      op=op, groups=coll.hlo_groups(scope.groups), ordered=coll.ordered_groups and op != "all-reduce", dtype=dtype,
+      elements=coll.op_elements(count, n), executions=reps,
       in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
       # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
-      copy_limit=max(2, min(coll.in_count(count, n), coll.out_count(count, n))) if timed else None,
+      # In place, the one-operation program is read too: whether XLA ran the op in its input's buffer.
+      copy_limit=message if timed or coll.inplace else None,
       widen_ok=platform == "cpu", exempt_scope=DIGEST_SCOPE if timed and platform == "cpu" else None,
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
       # avg's multiplication by 1/n writes the output once more on every platform: part of the op.
       writes_are_the_op=coll.writes_message or platform == "cpu" and (
-          coll.hlo_op in ("all-to-all", "collective-broadcast")
-          or dtype in ("bfloat16", "float16", *known_inputs.FP8)))
+          coll.hlo_op in ("all-to-all", "collective-broadcast", "ragged-all-to-all")
+          or dtype in ("bfloat16", "float16", *known_inputs.FP8)),
+      aliased=coll.inplace)
 
 
-def _compile(fn: Callable, specs: list, donate: bool) -> tuple[Callable, str]:
-  compiled = jax.jit(fn, donate_argnums=tuple(range(len(specs))) if donate else ()).lower(*specs).compile()
-  return compiled, compiled.as_text()
+def _compile(fn: Callable, specs: list, donate: bool, command_buffer: cmdbuf.Arm | None = None
+             ) -> tuple[Callable, str, str | None]:
+  """The compiled program, its HLO text and, where the arm asks for it, XLA:GPU's thunk sequence (command
+  buffers are formed after the HLO). Without `command_buffer` XLA's own default applies (CPU: none exist)."""
+  lowered = jax.jit(fn, donate_argnums=tuple(range(len(specs))) if donate else ()).lower(*specs)
+  if command_buffer is None:
+    compiled, thunk_text = lowered.compile(), None
+  else:
+    compiled, thunk_text = cmdbuf.compile_lowered(lowered, command_buffer)
+  return compiled, compiled.as_text(), thunk_text
+
+
+def _placed(verified: hlo_check.Verified, thunk_text: str | None, arm: cmdbuf.Arm | None,
+            exp: hlo_check.Expectation) -> hlo_check.Verified:
+  """`verified` with where its collective (and timed loop) runs as to command buffers, checked against the
+  arm (unchanged where the arm reads no thunk sequence)."""
+  if arm is None or not arm.check:
+    return verified
+  return hlo_check.verify_command_buffer(verified, thunk_text, arm.on, loop=exp.in_loop)
 
 
 def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
-                verify: Callable[[str, hlo_check.Expectation], hlo_check.Verified] = hlo_check.verify) -> Point:
+                verify: Callable[[str, hlo_check.Expectation], hlo_check.Verified] = hlo_check.verify,
+                command_buffer: cmdbuf.Arm | None = None) -> Point:
   """Compiles the one-operation program and checks its HLO (raises hlo_check.HloMismatch); `verify` is
-  replaceable for tests whose deliberately wrong collectives need their own HLO expectation."""
+  replaceable for tests whose deliberately wrong collectives need their own HLO expectation; `command_buffer`:
+  XLA:GPU's command buffers for it (None: XLA's default)."""
   n, platform = scope.group_size, platform_of(mesh)
   fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(AXES),
                      out_specs=jax.P(AXES), check_vma=False)
-  compiled, text = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])], donate=False)
-  verified = verify(text, _expectation(coll, scope, count, dtype, platform, 1, timed=False))
+  exp = _expectation(coll, scope, count, dtype, platform, 1, timed=False)
+  compiled, text, thunk_text = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])],
+                                        donate=coll.inplace, command_buffer=command_buffer)
+  verified = _placed(verify(text, exp), thunk_text, command_buffer, exp)
   return Point(coll, scope, dtype, count, mesh, Compiled(compiled, text, verified, 1))
 
 
@@ -235,19 +259,19 @@ def fold(acc: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
-                reps: int) -> Compiled:
+                reps: int, command_buffer: cmdbuf.Arm | None = None) -> Compiled:
   """Compiles the program that runs `reps` (even) operations back to back and, as its `checked` twin, the same
   program digesting every repetition's output; checks both HLOs. The timed calls run the first: the digest
   is one more pass over each output, which on CPU costs 1.2-5x the collective itself (scripts/bench_peer.py's
   figures), so it is never timed."""
-  timed = _build_timed(coll, mesh, scope, count, dtype, reps, digest=False)
+  timed = _build_timed(coll, mesh, scope, count, dtype, reps, digest=False, command_buffer=command_buffer)
   if coll.digest_each(platform_of(mesh)):
-    timed.checked = _build_timed(coll, mesh, scope, count, dtype, reps, digest=True)
+    timed.checked = _build_timed(coll, mesh, scope, count, dtype, reps, digest=True, command_buffer=command_buffer)
   return timed
 
 
 def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
-                 reps: int, digest: bool) -> Compiled:
+                 reps: int, digest: bool, command_buffer: cmdbuf.Arm | None = None) -> Compiled:
   if reps % 2 or reps < SHORT_REPS:
     raise ValueError(f"timed programs run an even number >= {SHORT_REPS} of operations, not {reps}")
   n, platform = scope.group_size, platform_of(mesh)
@@ -259,13 +283,16 @@ def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, co
     return (*slots, fold(c[-1], y) if each else c[-1])
 
   def per_device(*carry):
+    if coll.inplace:  # one operation per trip: its output must land in the buffer it read (the carry's)
+      return jax.lax.fori_loop(0, reps, lambda _, c: one(c), tuple(carry))
     return repeat(one, reps, tuple(carry))
 
   specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts] + [_spec(mesh, 1, jnp.uint32)]
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs),
                      out_specs=tuple(jax.P(AXES) for _ in specs), check_vma=False)
-  compiled, text = _compile(fn, specs, donate=True)
-  verified = hlo_check.verify(text, _expectation(coll, scope, count, dtype, platform, reps, timed=True))
+  exp = _expectation(coll, scope, count, dtype, platform, reps, timed=True)
+  compiled, text, thunk_text = _compile(fn, specs, donate=True, command_buffer=command_buffer)
+  verified = _placed(hlo_check.verify(text, exp), thunk_text, command_buffer, exp)
   return Compiled(compiled, text, verified, reps)
 
 
@@ -280,9 +307,15 @@ def initial_carry(point: Point) -> tuple[jax.Array, ...]:
   counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype, point.platform)
   x = point.inputs()
   point.x = None  # the first timed call consumes it
-  zeros = [_global_array(point.mesh, c, lambda p, c=c: np.zeros(c, np.int8), DTYPES[point.dtype])
-           for c in counts[1:]]
-  return (x, *zeros, _global_array(point.mesh, 1, lambda p: np.zeros(1, np.uint32), jnp.uint32))
+  zeros = [_zeros(point.mesh, c, DTYPES[point.dtype])() for c in counts[1:]]
+  return (x, *zeros, _zeros(point.mesh, 1, jnp.uint32)())
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(mesh: jax.sharding.Mesh, per_rank: int, dtype) -> Callable[[], jax.Array]:
+  """Zeros of [devices x per_rank], made on the devices (from the host, a 64 MiB slot took seconds a point)."""
+  return jax.jit(lambda: jnp.zeros((mesh.size * per_rank,), dtype),
+                 out_shardings=jax.NamedSharding(mesh, jax.P(AXES)))
 
 
 def check(point: Point, compare: bool = True) -> int:
@@ -294,26 +327,36 @@ def check(point: Point, compare: bool = True) -> int:
   output is not compared.
   """
   if not compare:
-    jax.block_until_ready(point.check_prog.fn(point.inputs()))
+    run_check_program(point, point.inputs())
     return 0
   wrong = 0
   for run in range(point.check_runs):
     x = point.inputs() if run == 0 else known_input_array(point, run)
-    y = point.check_prog.fn(x)
+    x_digests = _digest_all(point.mesh)(x) if run == 0 else None  # before an in-place call consumes x
+    y = run_check_program(point, x)
     wrong += compare_output(point, y, run)
     if run == 0:
-      point.digests = np.asarray(_digest_table(point.mesh)(x, y))
+      point.digests = np.stack([np.asarray(x_digests), np.asarray(_digest_all(point.mesh)(y))], axis=1)
   return wrong
 
 
+def run_check_program(point: Point, x: jax.Array) -> jax.Array:
+  """One call of the check program on `x`, finished. In place, `x` is donated (gone after the call): the
+  output stands in for the point's inputs until they are made again."""
+  y = point.check_prog.fn(x)
+  jax.block_until_ready(y)
+  if point.collective.inplace and point.x is x:
+    point.x = None
+  return y
+
+
 @functools.lru_cache(maxsize=8)
-def _digest_table(mesh: jax.sharding.Mesh) -> Callable:
-  """(inputs, outputs) -> every rank's (input digest, output digest), [devices, 2], on every process (a tiny
-  all-gather: chained collectives repeat other ranks' inputs)."""
-  def per_device(x, y):
-    return jax.lax.all_gather(jnp.concatenate([digest(x), digest(y)]), AXES)
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P(AXES)), out_specs=jax.P(),
-                               check_vma=False))
+def _digest_all(mesh: jax.sharding.Mesh) -> Callable:
+  """An array -> every rank's digest of its shard, [devices], on every process (a tiny all-gather: chained
+  collectives repeat other ranks' inputs)."""
+  def per_device(x):
+    return jax.lax.all_gather(digest(x), AXES, tiled=True)
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=jax.P(AXES), out_specs=jax.P(), check_vma=False))
 
 
 @functools.lru_cache(maxsize=8)
@@ -370,9 +413,7 @@ def compare_output_host(point: Point, y: jax.Array, run: int = 0) -> int:
     got = np.asarray(shard.data)
     for a in range(0, out_count, CHECK_CHUNK):
       b = min(out_count, a + CHECK_CHUNK)
-      want = as_dtype(coll.finish(inputs[gi], coll.expected(inputs[gi], rank, in_count, a, b),
-                                  point.wire_dtype),
-                      point.dtype)
+      want = as_dtype(coll.expected_finished(inputs[gi], rank, in_count, a, b, point.wire_dtype), point.dtype)
       wrong += int(np.count_nonzero(got[a:b] != want))
   return wrong
 
@@ -425,7 +466,7 @@ def call_time(point: Point) -> float:
   """Wall time of one call of the check program (one operation plus everything a call pays once)."""
   x = point.inputs()
   t0 = time.perf_counter()
-  jax.block_until_ready(point.check_prog.fn(x))
+  run_check_program(point, x)
   return time.perf_counter() - t0
 
 
@@ -489,15 +530,19 @@ def chain_reps(warmup: int, pairs: int, short_reps: int, long_reps: int) -> tupl
 
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],
                inject_delay_s: float = 0.0) -> np.ndarray:
-  """Latency mode: seconds of each of `samples` single-operation calls (dispatch included)."""
+  """Latency mode: seconds of each of `samples` single-operation calls (dispatch included); in place, each
+  call's output is the next one's input (the donated input is gone)."""
   x = point.inputs()
+  chain = point.collective.inplace
   for _ in range(warmup):
-    jax.block_until_ready(point.check_prog.fn(x))
+    y = run_check_program(point, x)
+    x = y if chain else x
   times = []
   for _ in range(samples):
     barrier()
     t0 = time.perf_counter()
-    jax.block_until_ready(point.check_prog.fn(x))
+    y = run_check_program(point, x)
+    x = y if chain else x
     if inject_delay_s:
       time.sleep(inject_delay_s)
     times.append(time.perf_counter() - t0)

@@ -14,7 +14,7 @@ from absl import app, flags
 
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
-from microbench.bench import sizes, sweep
+from microbench.bench import command_buffer, sizes, sweep
 from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
 from microbench.fabric import expected
@@ -112,6 +112,9 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     except TopologyError as e:
       raise app.UsageError(str(e)) from None
     hosts = distributed.process_hosts()
+  refused = None if target else command_buffer.refusal(cfg.command_buffer, mesh.devices.flat[0].platform)
+  if refused:
+    raise app.UsageError(refused)
   if cfg.max_bytes is None:  # --max_bytes=auto
     platform = "gpu" if target else mesh.devices.flat[0].platform
     cfg = dataclasses.replace(cfg, max_bytes=sizes.default_max_bytes(platform, cfg.min_bytes))

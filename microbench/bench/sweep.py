@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshes.scopes import ScopePlan
-from microbench.bench import collectives, hlo_check, program
+from microbench.bench import collectives, command_buffer, hlo_check, overlap, program
 from microbench.bench.sizes import round_count, sweep
 from microbench.cluster import distributed
 from microbench.fabric import expected as fabric_expected
@@ -64,6 +64,8 @@ class SweepConfig:
   profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
   keep_going: bool = False  # --keep_going: a failed point is recorded and the sweep goes on (else it stops)
   nccl_debug: bool = False  # --nccl_debug: NCCL's INFO log of every process into the run folder, read into meta
+  command_buffer: str = "no"  # --command_buffer: XLA:GPU's command buffers off, on, or both arms timed
+  overlap: int | str | None = None  # --overlap: overlap.AUTO or a matmul dimension (None: off), overlap.py
 
   @property
   def latency_mode(self) -> bool:
@@ -214,8 +216,10 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   rec: dict[str, Any] = {
       "collective": coll.name, "scope": plan.name, "dtype": dtype, "requested_bytes": requested,
       "bytes": count * itemsize, "count": count, "group_size": n, "num_groups": plan.num_groups,
-      "iters": cfg.iters, "samples": cfg.samples, "warmup": cfg.warmup, "impl": coll.impl(platform),
-      **({"op": coll.redop} if coll.redop else {}),
+      "iters": cfg.iters, "samples": cfg.samples, "warmup": cfg.warmup,
+      "impl": coll.impl(platform) + (", in place" if coll.inplace else ""),
+      **({"op": coll.redop} if coll.redop else {}), **({"inplace": True} if coll.inplace else {}),
+      **({"root": coll.root} if coll.root is not None else {}),
       "num_processes": jax.process_count(), "point": index, "of_points": total,
   }
   if also_requested:
@@ -223,21 +227,36 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   guard = _Guard(watchdog, cfg.hang_timeout, rec)
   delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
   reps = None
+  arm = command_buffer.main_arm(cfg.command_buffer, platform)  # None off GPUs
+  if arm is not None:
+    rec["command_buffer"] = cfg.command_buffer
   if cfg.target and not cfg.latency_mode:
     reps = max(program.MIN_LONG_REPS, cfg.iters - cfg.iters % 2)  # nothing runs: the long arm at --iters
   elif not cfg.latency_mode and expected_op_s > 0:
     reps = program.long_reps(expected_op_s, cfg.iters, cfg.sample_s)
   t0 = time.perf_counter()
   try:
-    point, short, long = _compile_point(cfg, coll, mesh, plan, count, dtype, reps)
+    point, short, long = _compile_point(cfg, coll, mesh, plan, count, dtype, reps, arm)
   except hlo_check.HloMismatch as e:
     return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
   except Exception as e:  # pylint: disable=broad-except
     return {**rec, "status": "failed", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
              wire_dtype=point.wire_dtype, check_runs=point.check_runs)
+  if coll.inplace:  # XLA runs some ops out of place: in place then costs a copy of the message per operation
+    rec["inplace_copies_per_op"] = point.check_prog.verified.copies
   if cfg.target:
-    return compiled_record(cfg, rec, point, short, long)
+    try:  # --command_buffer=both: the same programs with command buffers, compiled and checked too
+      extra = _command_buffer_programs(cfg, point, reps) if cfg.command_buffer == "both" else {}
+    except hlo_check.HloMismatch as e:
+      return {**rec, "status": "error", "reason": f"HLO check failed (command buffers): {e}"}
+    if not cfg.overlap:
+      return compiled_record(cfg, rec, point, short, long, extra)
+    try:  # the both arm compiled beside the point's programs, its schedule read
+      return {**compiled_record(cfg, rec, point, short, long, extra),
+              **overlap.compiled_facts(cfg.overlap, coll, mesh, plan, count, dtype, long)}
+    except hlo_check.HloMismatch as e:
+      return {**rec, "status": "error", "reason": f"HLO check failed (overlap arms): {e}"}
   try:
     t_check = time.perf_counter()
     with guard("correctness check", expected_op_s):
@@ -262,7 +281,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
             reps = int(_gather(np.asarray([reps])).min())
         t1 = time.perf_counter()
         try:
-          long = program.build_timed(coll, mesh, plan, count, dtype, reps)
+          long = program.build_timed(coll, mesh, plan, count, dtype, reps, command_buffer=arm)
         except hlo_check.HloMismatch as e:
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         rec["compile_s"] += time.perf_counter() - t1
@@ -270,6 +289,8 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       rec["iters"], rec["short_iters"] = long.reps, short.reps
       rec["trip_count"] = max(long.verified.trip_counts, default=None)
       rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
+      if coll.inplace:
+        rec["inplace_copies_per_op"] = long.verified.copies / long.reps
       carry = program.initial_carry(point)
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
@@ -282,7 +303,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       more = longer_reps(long.reps, stats, cfg.iters)
       if more:  # --sample_ms capped the long arm below what resolves the operation: once more, longer
         try:
-          long = program.build_timed(coll, mesh, plan, count, dtype, more)
+          long = program.build_timed(coll, mesh, plan, count, dtype, more, command_buffer=arm)
         except hlo_check.HloMismatch as e:
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
@@ -299,9 +320,38 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         rec["timed_check_s"] = time.perf_counter() - t_timed_check
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
       del carry
+      if cfg.overlap:  # the collective beside a matmul: three arms, timed interleaved (overlap.py)
+        try:
+          arms_s = 4 * (cfg.warmup + cfg.samples) * (short.reps + long.reps) * (expected_op_s + delay)
+          with guard("overlap arms", arms_s):
+            rec.update(overlap.measure(cfg.overlap, point, short, long, stats["time_us"] * 1e-6, cfg.warmup,
+                                       cfg.samples, barrier, _gather, check=cfg.check))
+        except hlo_check.HloMismatch as e:
+          return {**rec, "status": "error", "reason": f"HLO check failed (overlap arms): {e}"}
+        if overlap.wrong(rec):  # a wrong arm fails the run as a wrong timed program does
+          rec["timed_wrong"] = (rec.get("timed_wrong") or 0) + overlap.wrong(rec)
       if index in cfg.profile_points and cfg.profile_dir:
         with guard("profiled runs", (short.reps + long.reps) * (expected_op_s + delay)):
           rec["profile"] = profile_point(point, short, long, cfg.profile_dir, describe_point(rec))
+    if arm is not None and arm.check:  # where XLA:GPU runs the collective and the loop, per arm and program
+      rec["command_buffer_placement"] = {arm.name: _placement(point, short, long)}
+    if cfg.command_buffer == "both":  # the programs again, in command buffers: time_us_command_buffer
+      ops = 1 if cfg.latency_mode else short.reps + long.reps
+      try:
+        with guard("timed runs with command buffers", (cfg.warmup + cfg.samples) * ops * (expected_op_s + delay)):
+          second = _command_buffer_arm(cfg, point, short, long, barrier, delay)
+      except hlo_check.HloMismatch as e:
+        return {**rec, "status": "error", "reason": f"HLO check failed (command buffers): {e}"}
+      placement = second.pop("placement")
+      if any(placement.values()):
+        rec.setdefault("command_buffer_placement", {})["yes"] = placement
+      rec.update(second)
+      algbw_cb = rec["bytes"] / (second["time_us_command_buffer"] * 1e-6) / 1e9
+      rec.update(algbw_gbps_command_buffer=algbw_cb, busbw_gbps_command_buffer=algbw_cb * coll.busbw_factor(n))
+      if wrong is not None and second.get("wrong_command_buffer") is not None:
+        wrong += second["wrong_command_buffer"]  # a wrong second arm fails the run too
+      if rec.get("timed_wrong") is not None and second.get("timed_wrong_command_buffer") is not None:
+        rec["timed_wrong"] += second["timed_wrong_command_buffer"]
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost; the sweep stops after recording it, or with --keep_going
     # goes on (run_sweep decides).
@@ -336,10 +386,12 @@ def profile_point(point: program.Point, short: program.Compiled, long: program.C
 
 
 def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
-                    short: program.Compiled | None, long: program.Compiled | None) -> dict[str, Any]:
+                    short: program.Compiled | None, long: program.Compiled | None,
+                    extra: dict[str, program.Compiled] | None = None) -> dict[str, Any]:
   """A point compiled for a GPU target: what each program runs as XLA:GPU compiled it, its memory per device
-  and whether the largest fits the target's memory. Nothing ran, so no time and no check of values."""
-  programs = {"check": point.check_prog, "short": short, "long": long}
+  and whether the largest fits the target's memory. Nothing ran, so no time and no check of values. `extra`:
+  more programs of the point by name (`--command_buffer=both`: `long_command_buffer` ...)."""
+  programs = {"check": point.check_prog, "short": short, "long": long, **(extra or {})}
   facts, peak = {}, 0
   for name, prog in programs.items():
     if prog is None:
@@ -357,6 +409,76 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
   return out
 
 
+
+def _placement(point: program.Point, short: program.Compiled | None, long: program.Compiled | None
+               ) -> dict[str, Any]:
+  """Per program, where XLA:GPU runs its collectives and loops as to command buffers (hlo_check)."""
+  progs = {"check": point.check_prog, "short": short, "long": long}
+  return {name: p.verified.command_buffer for name, p in progs.items() if p is not None}
+
+
+def _command_buffer_programs(cfg: SweepConfig, point: program.Point, reps: int | None
+                             ) -> dict[str, program.Compiled]:
+  """--command_buffer=both for a target: the point's timed programs (in latency mode its check program) compiled
+  again with command buffers, each confirmed to run its collective (and loop) inside one."""
+  coll, mesh, plan, count, dtype = point.collective, point.mesh, point.scope, point.count, point.dtype
+  arm = command_buffer.SECOND_ARM
+  if cfg.latency_mode:
+    return {"check_command_buffer": program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm).check_prog}
+  out = {"short_command_buffer": program.build_timed(coll, mesh, plan, count, dtype, program.SHORT_REPS,
+                                                     command_buffer=arm)}
+  if reps:
+    out["long_command_buffer"] = program.build_timed(coll, mesh, plan, count, dtype, reps, command_buffer=arm)
+  return out
+
+
+# XLA:GPU runs a command buffer's first execution op by op ("warm up iteration") and records and instantiates the
+# CUDA graph on the next: two untimed calls of each timed program before the samples.
+GRAPH_WARMUP = 2
+
+
+def _command_buffer_arm(cfg: SweepConfig, point: program.Point, short: program.Compiled | None,
+                        long: program.Compiled | None, barrier, delay: float) -> dict[str, Any]:
+  """--command_buffer=both: the point's timed programs (in latency mode its check program) compiled again with
+  XLA:GPU's command buffers, checked like the first arm (the values, and the collective and loop inside a
+  command buffer) and timed the same way with the same repetitions, after it. The first arm's time stays the
+  record's `time_us`; this one's fields end in `_command_buffer`; `placement` is what hlo_check read."""
+  coll, mesh, plan, count, dtype = point.collective, point.mesh, point.scope, point.count, point.dtype
+  arm = command_buffer.SECOND_ARM
+  out: dict[str, Any] = {}
+  if cfg.latency_mode:
+    cb = program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm)
+    wrong = program.check(cb, compare=cfg.check)
+    out["wrong_command_buffer"] = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
+    stats = latency_stats(_gather(program.time_calls(cb, cfg.warmup, cfg.samples, barrier, delay)))
+    out["placement"] = _placement(cb, None, None)
+  else:
+    short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm)
+    long_cb = program.build_timed(coll, mesh, plan, count, dtype, long.reps, command_buffer=arm)
+    out["placement"] = {"short": short_cb.verified.command_buffer, "long": long_cb.verified.command_buffer}
+    carry = program.initial_carry(point)
+    for _ in range(GRAPH_WARMUP):  # untimed: the timed programs themselves (--warmup runs their checked twins)
+      carry = long_cb.fn(*short_cb.fn(*carry))
+      jax.block_until_ready(carry)
+    t_short, t_long, carry = program.time_pairs(short_cb, long_cb, carry, cfg.warmup, cfg.samples, barrier, delay,
+                                                _resolved(short.reps, long.reps))
+    t_short, t_long = _gather(t_short), _gather(t_long)
+    stats = difference_stats(t_short, t_long, short.reps, long.reps)
+    out["samples_command_buffer"] = int(t_long.shape[1])
+    if cfg.check:  # the chain of the second arm's calls, compared like the first's
+      reps, (offset, digested) = program.chain_reps(cfg.warmup, out["samples_command_buffer"], short.reps, long.reps)
+      ahead = GRAPH_WARMUP * (short.reps + long.reps)  # the warm-up calls came first in the chain
+      wrong, out["timed_check_command_buffer"] = program.check_timed(point, carry, reps + ahead,
+                                                                     (offset + ahead, digested))
+      out["timed_wrong_command_buffer"] = None if wrong is None else int(
+          _gather(np.asarray([wrong], np.int64)).sum())
+  for key in ("time_us", "time_us_min", "time_us_max", "time_method", "call_us_short", "call_us_long",
+              "resolution", "noisy"):
+    if key in stats:
+      out[f"{key}_command_buffer"] = stats[key]
+  return out
+
+
 _POOL: futures.ThreadPoolExecutor | None = None
 
 
@@ -368,16 +490,18 @@ def _compile_pool() -> futures.ThreadPoolExecutor:
   return _POOL
 
 
-def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None):
+def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None,
+                   arm: command_buffer.Arm | None = None):
   """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long
-  arm, compiled concurrently: XLA compiles release the GIL, and the three are independent."""
+  arm, compiled concurrently: XLA compiles release the GIL, and the three are independent. `arm`: XLA:GPU's
+  command buffers for all of them (None: XLA's default)."""
   if cfg.latency_mode:
-    return program.build_check(coll, mesh, plan, count, dtype), None, None
+    return program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm), None, None
   pool = _compile_pool()
-  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype),
-          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS)]
+  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype, command_buffer=arm),
+          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS, command_buffer=arm)]
   if reps:
-    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps))
+    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm))
   done = [j.result() for j in jobs]
   return done[0], done[1], done[2] if reps else None
 
@@ -407,9 +531,17 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   barrier = program.make_barrier(mesh)
   records = [] if records is None else records
   active = [p for p in plans if not p.skip_reason]
+  for c in cfg.collectives:
+    for p in active:
+      if collectives.get(c).refuses_group(p.group_size):
+        out.print(f"# {c} over {p.name} skipped: {collectives.get(c).refuses_group(p.group_size)}")
   for p in plans:
     if p.skip_reason:
       out.print(f"# scope {p.name} skipped: {p.skip_reason}")
+  if cfg.command_buffer != "no":
+    out.print(f"# --command_buffer={cfg.command_buffer}: {command_buffer.SAYS[cfg.command_buffer]}")
+  if cfg.overlap and program.platform_of(mesh) == "cpu":
+    out.print(f"# --overlap: {overlap.CPU_NOTE}")
   if not active:
     out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
               " nothing, and XLA removes it); no point is recorded")
@@ -418,7 +550,7 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
       if collectives.get(c).refuses(d):
         out.print(f"# {c} in {d} skipped: {collectives.get(c).refuses(d)}")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes
-            if not collectives.get(c).refuses(d)]
+            if not collectives.get(c).refuses(d) and not collectives.get(c).refuses_group(p.group_size)]
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)
@@ -437,8 +569,8 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
         itemsize = np.dtype(program.DTYPES[dtype]).itemsize
         out.print(f"# requested sizes {', '.join(map(str, reqs))} B all round to {count} elements "
                   f"({count * itemsize} B) for groups of {plan.group_size}: measured once")
-    out.print("#" + table.HEADER[1:])
-    out.print("#" + table.UNITS[1:])
+    for line in table.header(command_buffer=cfg.command_buffer == "both" and not cfg.target):
+      out.print("#" + line[1:])
     last: tuple[float, int] | None = None  # (seconds per operation, bytes) of this block's previous point
     for count, reqs in counts.items():
       index += 1
@@ -468,6 +600,8 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
       out.record(rec)
       records.append(rec)
       out.print(table.format_row(rec))
+      for line in overlap.console_lines(rec):
+        out.print(line)
       if rec["status"] == "failed" and not cfg.keep_going:
         raise PointFailed(f"{describe_point(rec)} failed: {rec['reason']}")
   out.print(f"\n# {len(records)} point(s) in {time.perf_counter() - t_start:.1f} s")

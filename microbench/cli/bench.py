@@ -12,7 +12,7 @@ import sys
 from absl import app, flags
 
 from meshes.scopes import SCOPES
-from microbench.bench import collectives, reduce_ops, run as bench_run, sizes, sweep
+from microbench.bench import collectives, command_buffer, overlap, reduce_ops, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import machine
@@ -22,10 +22,22 @@ from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_list("collectives", ["all"], f"Collectives to run, or 'all': {', '.join(collectives.NAMES)}.")
+flags.DEFINE_list("collectives", ["all"], f"Collectives to run, or 'all': {', '.join(collectives.NAMES)}. By name"
+                  f" only (not in 'all'): the ragged all-to-all per MoE send-size distribution,"
+                  f" {', '.join(collectives.RAGGED)}.")
 flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPES)}.")
 flags.DEFINE_list("op", ["sum"], "Reduction operator(s) of all_reduce and reduce_scatter (nccl-tests' -o), or 'all':"
                   f" {', '.join(reduce_ops.OPS)}. Other collectives have none.")
+flags.DEFINE_enum("inplace", "no", ["no", "yes", "both"], "Run each collective in place (its input donated, its"
+                  " output in the input's buffer, verified in the HLO: nccl-tests' in-place columns), out of place"
+                  " (no), or both, recorded as <collective>_inplace beside it.")
+flags.DEFINE_integer("root", 0, "The broadcast's source, a group rank (nccl-tests' -r); a scope whose groups are"
+                     " smaller is skipped with the reason. Recorded as broadcast_root<R>.")
+flags.DEFINE_string("overlap", None, "Measure each point beside independent compute (OSU's non-blocking overlap,"
+                    " PARAM's comms-compute mode): the collective alone, a matmul alone and both in one loop, timed"
+                    " interleaved, with OSU's overlap % and whether XLA scheduled the matmul between the collective's"
+                    " start and done. auto: a [D, D] matmul sized to take as long as the collective; N: D = N"
+                    " (PARAM's --mm-dim).")
 flags.DEFINE_string("min_bytes", "1K", "Smallest message size S (8, 64K, 32M, 1G).")
 flags.DEFINE_string("max_bytes", "auto", "Largest message size S; auto: 4M on CPU devices (past its caches a CPU"
                     " only copies memory, and 16M points cost half a sweep), 16M on GPUs (and --target).")
@@ -49,6 +61,11 @@ flags.DEFINE_bool("nccl_debug", False, "Capture NCCL's INFO log of every process
                   " subsystems INIT,NET,GRAPH,TUNING; what you set yourself is kept) and put what NCCL did in"
                   " meta.json's `nccl`: version, network, NICs, channels, transports, algorithm per collective."
                   " Also on when NCCL_DEBUG is set.")
+flags.DEFINE_enum("command_buffer", "no", list(command_buffer.SETTINGS), "XLA:GPU's command buffers (CUDA graphs,"
+                  " nccl-tests' -G): yes records each point's programs, collectives and timed loop included, into"
+                  " one (checked in the compiled program) and launches that; both times the point without and with"
+                  " them (time_us and time_us_command_buffer, a cmdbuf(us) column). no (default): none at all,"
+                  " every operation launched on its own, as nccl-tests without -G. GPUs and --target only.")
 flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
@@ -73,34 +90,42 @@ flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process R
 flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RANK hangs in point POINT+1's timed"
                     " runs, like a collective that never returns.")
 
-SWEEP_FLAGS = ("collectives", "op", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "keep_going", "nccl_debug", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target")
+SWEEP_FLAGS = ("collectives", "op", "inplace", "root", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
+               "warmup", "samples", "check", "keep_going", "nccl_debug", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target", "overlap",
+               "command_buffer")
 
 
-def _choose(values: list[str], allowed: tuple[str, ...], what: str) -> tuple[str, ...]:
+def _choose(values: list[str], allowed: tuple[str, ...], what: str, by_name: tuple[str, ...] = ()) -> tuple[str, ...]:
+  """`allowed` for 'all'; else the values, each in `allowed` or `by_name` (chosen only by name)."""
   if values == ["all"]:
     return allowed
-  bad = [v for v in values if v not in allowed]
+  allowed_by_name = allowed + by_name
+  bad = [v for v in values if v not in allowed_by_name]
   if bad or not values:
-    raise app.UsageError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed)} or all")
+    raise app.UsageError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed_by_name)}"
+                         " or all")
   return tuple(dict.fromkeys(values))
 
 
-def _with_ops(names: tuple[str, ...], ops: tuple[str, ...], dtypes: tuple[str, ...], explicit: bool
-              ) -> tuple[str, ...]:
-  """Each reduction once per operator (all_reduce, all_reduce_max, ...), the others once. A collective the user
-  named that can run in none of the asked dtypes is refused (one line); with 'all' such pairs are skipped by the
-  sweep, which says so."""
+def _with_ops(names: tuple[str, ...], ops: tuple[str, ...], dtypes: tuple[str, ...], explicit: bool,
+              inplace: str = "no", root: int = 0) -> tuple[str, ...]:
+  """Each reduction once per operator (all_reduce, all_reduce_max, ...), the others once; the broadcast from
+  `root`; each out of place, in place (<name>_inplace) or both (`inplace`). A collective the user named that can
+  run in none of the asked dtypes (or not in place) is refused (one line); with 'all' such pairs are skipped by
+  the sweep, which says so."""
   out = []
+  modes = {"no": (False,), "yes": (True,), "both": (False, True)}[inplace]
   for name in names:
     for op in ops:
-      coll = collectives.with_op(name, op)
-      if coll.name in out:
-        continue
-      reasons = [coll.refuses(d) for d in dtypes]
-      if explicit and all(reasons):
-        raise app.UsageError(reasons[0])
-      out.append(coll.name)
+      base = collectives.with_root(collectives.with_op(name, op).name, root).name
+      for in_place in modes:
+        coll = collectives.with_inplace(base) if in_place else collectives.get(base)
+        if coll.name in out:
+          continue
+        reasons = [coll.refuses(d) for d in dtypes]
+        if explicit and all(reasons) and len(modes) == 1:  # with both, the other form still runs: skipped, said
+          raise app.UsageError(reasons[0])
+        out.append(coll.name)
   return tuple(out)
 
 
@@ -164,10 +189,21 @@ def config_from_flags() -> sweep.SweepConfig:
     raise app.UsageError(f"--profile_points={','.join(FLAGS.profile_points)}: points are numbered from 1")
   if profile and FLAGS.iters == 1:
     raise app.UsageError("--profile_points traces the timed programs: not in latency mode (--iters=1)")
+  if FLAGS.root < 0:
+    raise app.UsageError(f"--root={FLAGS.root}: the broadcast's source is a group rank, >= 0")
+  try:
+    overlap_spec = overlap.parse_spec(FLAGS.overlap)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  if overlap_spec and FLAGS.command_buffer != "no":
+    raise app.UsageError(f"--command_buffer={FLAGS.command_buffer} with --overlap: the overlap arms are compiled"
+                         " without command buffers; measure them apart")
+  if overlap_spec and FLAGS.iters == 1:
+    raise app.UsageError("--overlap times its three arms by difference: not in latency mode (--iters=1)")
   return sweep.SweepConfig(
-      collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective"),
+      collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective", collectives.RAGGED),
                             _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,
-                            explicit=FLAGS.collectives != ["all"]),
+                            explicit=FLAGS.collectives != ["all"], inplace=FLAGS.inplace, root=FLAGS.root),
       scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
       dtypes=dtypes,
       min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
@@ -176,7 +212,8 @@ def config_from_flags() -> sweep.SweepConfig:
       inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
       inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks, fabric=FLAGS.fabric,
       inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile,
-      keep_going=FLAGS.keep_going, nccl_debug=FLAGS.nccl_debug)
+      keep_going=FLAGS.keep_going, nccl_debug=FLAGS.nccl_debug, overlap=overlap_spec,
+      command_buffer=FLAGS.command_buffer)
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-        "collective-broadcast")
+        "collective-broadcast", "ragged-all-to-all")
 OPS = _OPS  # the collective opcodes this reader knows (without -start/-done)
 # `%name = type op(` and the async `op-start(` forms; the type may be a tuple with spaces and comments.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>" + "|".join(_OPS) +
@@ -104,6 +104,18 @@ def module_devices(hlo_text: str) -> int | None:
   """Devices the module runs on, from its header (`num_partitions=16`), None when the text has no header."""
   found = [int(v) for v in re.findall(r"\b(?:num_partitions|replica_count)=(\d+)", hlo_text.split("\n", 1)[0])]
   return max(found) if found and hlo_text.startswith("HloModule") else None
+
+
+def output_aliases(hlo_text: str) -> dict[tuple[int, ...], int]:
+  """The module's `input_output_alias`: output index (() for a single result, (i,) for tuple element i) -> the
+  parameter number whose buffer it takes (donation XLA honoured)."""
+  m = re.search(r"input_output_alias=\{(.*?)\}\s*(?:,\s*\w+=|$)", hlo_text.split("\n", 1)[0])
+  if not m:
+    return {}
+  out = {}
+  for index, param in re.findall(r"\{([\d,\s]*)\}:\s*\((\d+),", m.group(1)):
+    out[tuple(int(v) for v in index.split(",") if v.strip())] = int(param)
+  return out
 
 
 def find_collectives(hlo_text: str) -> list[HloCollective]:

@@ -5,19 +5,41 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-_ROW = ("{bytes:>12} {count:>11} {dtype:>8} {scope:>10} {group_size:>4} {num_groups:>4}  {time:>10} {algbw:>8}"
-        " {busbw:>8} {expected:>8} {ratio:>5} {wrong:>6}{flag}")
-HEADER = _ROW.format(bytes="size(B)", count="count", dtype="type", scope="scope", group_size="n",
-                     num_groups="grps", time="time(us)", algbw="algbw", busbw="busbw", expected="expected",
-                     ratio="meas/", wrong="#wrong", flag="")
-UNITS = _ROW.format(bytes="", count="(elements)", dtype="", scope="", group_size="", num_groups="",
-                    time="median", algbw="(GB/s)", busbw="(GB/s)", expected="busbw", ratio="exp", wrong="",
-                    flag="")
+_HEAD = "{bytes:>12} {count:>11} {dtype:>8} {scope:>10} {group_size:>4} {num_groups:>4}  {time:>10}"
+_TAIL = " {algbw:>8} {busbw:>8} {expected:>8} {ratio:>5} {wrong:>6}{flag}"
+_ROW = _HEAD + _TAIL
+# --command_buffer=both: the time with XLA:GPU's command buffers beside the time without (nccl-tests -G's view)
+_ROW_CB = _HEAD + " {cb:>10}" + _TAIL
+_NAMES = dict(bytes="size(B)", count="count", dtype="type", scope="scope", group_size="n", num_groups="grps",
+              time="time(us)", algbw="algbw", busbw="busbw", expected="expected", ratio="meas/", wrong="#wrong",
+              flag="", cb="cmdbuf(us)")
+_UNITS = dict(bytes="", count="(elements)", dtype="", scope="", group_size="", num_groups="", time="median",
+              algbw="(GB/s)", busbw="(GB/s)", expected="busbw", ratio="exp", wrong="", flag="", cb="median")
+HEADER = _ROW.format(**_NAMES)
+UNITS = _ROW.format(**_UNITS)
+
+
+def header(command_buffer: bool = False) -> list[str]:
+  """The table's two header lines; `command_buffer` adds the column of times with command buffers."""
+  row = _ROW_CB if command_buffer else _ROW
+  return [row.format(**_NAMES), row.format(**_UNITS)]
 
 
 def _short(dtype: str) -> str:
   """The type column is 8 wide: float8_e4m3fn is shown as XLA names it, f8e4m3fn."""
   return dtype.replace("float8_", "f8")
+
+
+def _command_buffer_text(r: dict[str, Any]) -> str:
+  """`, in command buffers: 5/5 collective thunks, 1/1 loop`: what runs inside one in the programs compiled
+  with command buffers (--command_buffer=yes or both); empty otherwise."""
+  found = [p["command_buffer"] for p in (r.get("programs") or {}).values()
+           if (p.get("command_buffer") or {}).get("asked") == "yes"]
+  if not found:
+    return ""
+  colls = f"{sum(f['collectives_inside'] for f in found)}/{sum(f['collectives'] for f in found)} collective thunks"
+  loops, inside = sum(f["loops"] for f in found), sum(f["loops_inside"] for f in found)
+  return f", in command buffers: {colls}" + (f", {inside}/{loops} loops" if loops else "")
 
 
 def _compiled_row(r: dict[str, Any]) -> str:
@@ -27,7 +49,7 @@ def _compiled_row(r: dict[str, Any]) -> str:
   if r.get("trip_count"):
     where = f" x{r['iters']} ({r['loop_reps']} in a loop of {r['trip_count']} known trips)"
   mem = r.get("memory_bytes")
-  text = f"compiled: {ops}{where}, wire {r.get('wire_dtype', '?')}"
+  text = f"compiled: {ops}{where}, wire {r.get('wire_dtype', '?')}{_command_buffer_text(r)}"
   if mem is not None:
     text += f", {mem / 2**20:.1f} MiB/device"
   if r.get("fits") is False:
@@ -59,11 +81,17 @@ def format_row(r: dict[str, Any]) -> str:
     flag += f"  LOW ({r['vs_expected']:.2f} x expected, {r['expected_bound']}-bound)"
   wrong = "N/A" if r["wrong"] is None else r["wrong"]
   has = r.get("expected_busbw_gbps") is not None
-  return _ROW.format(bytes=r["bytes"], count=r["count"], dtype=_short(r["dtype"]), scope=r["scope"],
-                     group_size=r["group_size"], num_groups=r["num_groups"], time=f"{r['time_us']:.2f}",
-                     algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}",
-                     expected=f"{r['expected_busbw_gbps']:.3f}" if has else "-",
-                     ratio=f"{r['vs_expected']:.2f}" if has else "-", wrong=wrong, flag=flag)
+  cb = r.get("time_us_command_buffer")
+  if cb is not None and r.get("noisy_command_buffer"):
+    flag += f"  NOISY with command buffers (median +-{100 * r['resolution_command_buffer']:.0f}%)"
+  if r.get("timed_wrong_command_buffer") or r.get("wrong_command_buffer"):
+    flag += "  WRONG WITH COMMAND BUFFERS"
+  return (_ROW if cb is None else _ROW_CB).format(
+      bytes=r["bytes"], count=r["count"], dtype=_short(r["dtype"]), scope=r["scope"], group_size=r["group_size"],
+      num_groups=r["num_groups"], time=f"{r['time_us']:.2f}", cb="" if cb is None else f"{cb:.2f}",
+      algbw=f"{r['algbw_gbps']:.3f}", busbw=f"{r['busbw_gbps']:.3f}",
+      expected=f"{r['expected_busbw_gbps']:.3f}" if has else "-",
+      ratio=f"{r['vs_expected']:.2f}" if has else "-", wrong=wrong, flag=flag)
 
 
 def summary(records: list[dict[str, Any]]) -> str:

@@ -9,6 +9,7 @@ Compiled programs give XLA:GPU's own optimised HLO (`as_text()`) and its memory 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from typing import Any
 
@@ -45,6 +46,7 @@ class Target:
   hosts: int
   gpus_per_host: int
   devices: tuple[Any, ...]  # compile-only devices, ordered by (host, id)
+  cuda_version: str | None = None  # the CUDA driver and runtime the description says the nodes run
 
   @property
   def memory_bytes(self) -> int:
@@ -54,7 +56,37 @@ class Target:
     """meta.json's and every record's view of the target."""
     return {"kind": self.kind.name, "title": self.kind.title, "device_kind": self.kind.device_kind,
             "hosts": self.hosts, "gpus_per_host": self.gpus_per_host, "devices": len(self.devices),
-            "memory_bytes": self.memory_bytes, "spec_file": os.path.basename(self.kind.source_file)}
+            "memory_bytes": self.memory_bytes, "spec_file": os.path.basename(self.kind.source_file),
+            "cuda_version": self.cuda_version}
+
+
+# XLA:GPU reads the CUDA driver and runtime versions from the device description and, below 12.3, leaves
+# collectives, loops and conditionals out of command buffers (no stream capture into graphs, no device-side
+# control flow). A deviceless description has no versions (0.0.0), so every compile for a target left them out
+# where a current node keeps them. The description says the nodes run the CUDA the plugin was built with (the
+# runtime JAX's CUDA wheels install, and a driver at least that new); on a node whose driver is older than 12.3
+# the run's own check says the collective stayed outside.
+_CUDA_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin")
+
+
+def plugin_cuda_version() -> str | None:
+  """The CUDA version JAX's CUDA plugin was built with (`12.9.0`), None when it can't say."""
+  for name in _CUDA_PLUGINS:
+    try:
+      build = int(importlib.import_module(f"{name}._versions").cuda_runtime_build_version())
+    except Exception:  # pylint: disable=broad-except
+      continue
+    return f"{build // 1000}.{build % 1000 // 10}.0"
+  return None
+
+
+def with_cuda_versions(target_config: str, version: str | None) -> str:
+  """The GpuTargetConfigProto text with the driver, runtime and toolkit versions of its device set."""
+  if not version:
+    return target_config
+  fields = "".join(f'  {k}: "{version}"\n' for k in ("driver_version", "runtime_version",
+                                                     "compile_time_toolkit_version"))
+  return target_config.replace("gpu_device_info {\n", "gpu_device_info {\n" + fields, 1)
 
 
 def make_target(name: str, hosts: int, gpus_per_host: int) -> Target:
@@ -64,14 +96,15 @@ def make_target(name: str, hosts: int, gpus_per_host: int) -> Target:
   require_plugin()
   keep_default_backend_on_cpu()
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  cuda = plugin_cuda_version()
   try:
-    topo = topologies.get_topology_desc(platform="cuda", target_config=kind.target_config(),
+    topo = topologies.get_topology_desc(platform="cuda", target_config=with_cuda_versions(kind.target_config(), cuda),
                                         topology=f"1x{hosts}x{gpus_per_host}")
   except Exception as e:  # pylint: disable=broad-except
     raise TargetError(f"XLA:GPU could not describe {hosts} x {gpus_per_host} {kind.title}: "
                       f"{str(e).strip().splitlines()[0][:300]}") from None
   devices = tuple(sorted(topo.devices, key=lambda d: (d.process_index, d.id)))
-  return Target(kind, hosts, gpus_per_host, devices)
+  return Target(kind, hosts, gpus_per_host, devices, cuda)
 
 
 # Without a GPU, XLA:GPU cannot autotune: its Triton GEMM fusions take heuristic tile sizes, and for some shapes
@@ -134,4 +167,4 @@ def fit(total_bytes: int, memory_bytes: int) -> dict[str, Any]:
 
 
 __all__ = ["Target", "TargetError", "KindError", "make_target", "memory", "fit", "plugin_available",
-           "INSTALL_HINT"]
+           "plugin_cuda_version", "with_cuda_versions", "INSTALL_HINT"]

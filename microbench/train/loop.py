@@ -24,7 +24,7 @@ from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.fabric import gpu_kinds
 from microbench.target import compile_only
-from microbench.train import comm_fingerprint, overheads, peaks
+from microbench.train import comm_fingerprint, dispatch, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from models import moe, pipeline, pipeline_schedule
 from models.optimizer import AdamWConfig, adamw
@@ -103,6 +103,13 @@ def format_table(summary: dict[str, Any]) -> str:
       text += (f"; all-to-all share {_share_text(s, 'all_to_all_share')};"
                f" {s['step_time_no_all_to_all_s'] * 1e3:.2f} ms without the exchanges (median)")
     rows.append(("experts", text))
+    if s.get("moe_dispatch_time_s") is not None:
+      rows.append(("  dispatch", f"{s['moe_dispatch_time_s'] * 1e6:.1f} us per ragged all-to-all of"
+                                 f" {s['moe_dispatch_bytes'] / 2**20:.3f} MiB per device"
+                                 f" ({s['moe_dispatch_busbw_gbps']:.3g} GB/s busbw, factor"
+                                 f" {s['moe_dispatch_busbw_factor']:.3g}), the router's sizes; {s['moe_dispatch_op']}"))
+    elif s.get("moe_dispatch_note"):
+      rows.append(("  dispatch", s["moe_dispatch_note"]))
   if s.get("context_impl"):
     rows.append(("context", f"{s['context_impl']} attention over {s['context_degree']} devices"))
   if s["kind"] == "summary":
@@ -222,6 +229,19 @@ def _measure_overheads(cfg: TrainConfig, p: Plan, trainer: Trainer, state, batch
   return out
 
 
+def _measure_dispatch(cfg: TrainConfig, p: Plan, expert_counts: np.ndarray, layers: int, say) -> dict[str, Any]:
+  """ep with a mixture of experts: one token dispatch alone, a ragged all-to-all over `expert` with the sizes
+  the router chose in the last timed step (microbench.train.dispatch), timed and checked."""
+  ep = p.parallelism.degree("ep")
+  if ep < 2:
+    return {}
+  dispatches = layers * cfg.grad_accum * p.microbatches  # MoE calls per device per step
+  sizes = dispatch.sizes_from_counts(expert_counts, ep, dispatches, p.parallelism.batch_shards)
+  say(f"  timing one token dispatch alone: {sizes.sent} rows per device, to ranks {sizes.rows[0].tolist()}")
+  rounds = max(overheads.MIN_ROUNDS, cfg.steps - cfg.warmup_steps)
+  return dispatch.measure(p.mesh, moe.EXPERT, sizes, p.spec.config.block.d_model, DTYPES[cfg.dtype], rounds)
+
+
 def _share_text(s: dict[str, Any], figure: str) -> str:
   """A measured share as the summary prints it: the figure with its interval, or "not resolved"."""
   ci = s.get(f"{figure}_ci")
@@ -338,6 +358,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
 
   peak = peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
   losses, norms, times, dropped, assigned = [], [], [], [], []
+  expert_counts = None  # the last timed step's assignments per expert (the dispatch's sizes)
   total = cfg.steps + cfg.profile_steps
   for step in range(total):
     profiled = step >= cfg.steps
@@ -362,6 +383,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       dropped.append(_scalar(metrics["moe_dropped"]))
       assigned.append(_scalar(metrics["moe_assignments"]))
       record["moe_dropped_fraction"] = dropped[-1] / assigned[-1]
+      if step == cfg.steps - 1:
+        expert_counts = np.asarray(metrics["moe_expert_assignments"].addressable_data(0))
     out.line(record)
     # Warm-up steps (compilation, caches) are often far slower than the rest: their time goes under its own
     # tag and they add no throughput points, so they do not set the scale of the timed steps' charts.
@@ -379,6 +402,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   timed = times[cfg.warmup_steps:cfg.steps]
   med = statistics.median(timed)
   measured = _measure_overheads(cfg, p, trainer, (params, rest), batch, say) if cfg.measure_overheads else {}
+  if cfg.measure_overheads and expert_counts is not None:
+    measured.update(_measure_dispatch(cfg, p, expert_counts, layers, say))
   tflops = flops / med / n / 1e12
   tflops_full = flops_full / med / n / 1e12
   summary = {
