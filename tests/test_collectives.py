@@ -64,21 +64,23 @@ def test_timed_programs_loop_on_the_device_without_copies(mesh, name):
 
 
 def test_a_resolved_point_stops_after_the_minimum_pairs(mesh):
-  """time_pairs asks `resolved` once, after program.MIN_SAMPLES pairs: yes stops there, no runs them all; the
-  carry holds exactly the repetitions run either way (the timed check counts on it)."""
+  """time_pairs asks `resolved` after program.MIN_SAMPLES pairs and after each one past it: yes stops there, no
+  runs them all (never asked after the last); the carry holds exactly the repetitions run either way (the
+  timed check counts on it)."""
   plan, count, coll = PLANS["scale_up"], 64, collectives.get("ppermute")
   point = program.build_check(coll, mesh, plan, count, "int32")
   short = program.build_timed(coll, mesh, plan, count, "int32", program.SHORT_REPS)
   long = program.build_timed(coll, mesh, plan, count, "int32", 6)
   asked = []
-  for answer, pairs in ((True, program.MIN_SAMPLES), (False, 8)):
+  for answer, pairs in ((True, program.MIN_SAMPLES), (False, 8), ("at 7", 7)):
     point.x = None
     assert program.check(point) == 0  # the known outputs the timed check compares with
     t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 8, lambda: None,
-                                                resolved=lambda s, l, a=answer: asked.append(len(s)) or a)
+                                                resolved=lambda s, l, a=answer: asked.append(len(s)) or (
+                                                    len(s) == 7 if a == "at 7" else a))
     assert len(t_short) == len(t_long) == pairs
     assert program.check_timed(point, carry, *program.chain_reps(1, pairs, 2, 6))[0] == 0
-  assert asked == [program.MIN_SAMPLES] * 2
+  assert asked == [program.MIN_SAMPLES, 5, 6, 7, 5, 6, 7]
 
 
 @pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_to_all", "all_gather"])

@@ -178,10 +178,11 @@ def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_c
 
 @functools.lru_cache(maxsize=16)
 def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int, in_count: int, n: int,
-                wire_dtype: str, names: tuple, exact: bool) -> Callable:
+                wire_dtype: str, names: tuple, exact: bool, digest: Callable | None = None) -> Callable:
   """exact=False: [1] float32 per rank, the wrong count (exact below 2^24; zero exactly when none), one fused
   pass (XLA:CPU writes an integer reduction's operand out first, a float one it fuses). exact=True: [2] int32,
-  the count and the first wrong index, run only when something was wrong."""
+  the count and the first wrong index, run only when something was wrong. With `digest` (quick only), also every
+  rank's digest of the output, all-gathered, from the same read of it."""
   family = Family(*family_key)
 
   def per_device(y, where, tabs):
@@ -189,22 +190,27 @@ def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int
     want = expected_output(coll, family, tabs, g, r, out_count, in_count, n, wire_dtype)
     differs = y != want
     if not exact:
-      return jnp.sum(differs, dtype=jnp.float32).reshape(1)
+      count = jnp.sum(differs, dtype=jnp.float32).reshape(1)
+      return count if digest is None else (count, jax.lax.all_gather(digest(y), AXES, tiled=True))
     first = jnp.min(jnp.where(differs, jax.lax.iota(jnp.int32, out_count), jnp.int32(out_count)))
     return jnp.stack([jnp.sum(differs, dtype=jnp.int32), first])
 
   specs = {k: jax.P() for k in names}
+  out_specs = jax.P(AXES) if digest is None or exact else (jax.P(AXES), jax.P())
   return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P(AXES), specs),
-                               out_specs=jax.P(AXES), check_vma=False))
+                               out_specs=out_specs, check_vma=False))
 
 
 def compare(mesh: jax.sharding.Mesh, coll, family: Family, y: jax.Array, where: jax.Array, out_count: int,
-            in_count: int, n: int, wire_dtype: str) -> np.ndarray:
+            in_count: int, n: int, wire_dtype: str, digest: Callable | None = None):
   """[devices, 2] for this process's devices, by mesh position (others -1): wrong elements and the first wrong
-  element's index (out_count when none)."""
+  element's index (out_count when none); with `digest`, (that, every rank's digest of `y`)."""
   tabs = _device_tables(mesh, family.key())
   args = (mesh, coll, family.key(), out_count, in_count, n, wire_dtype, tuple(sorted(tabs)))
-  quick = _comparison(*args, exact=False)(y, where, tabs)
+  quick = _comparison(*args, exact=False, digest=digest)(y, where, tabs)
+  digests = None
+  if digest is not None:
+    quick, digests = quick
   out = np.full((mesh.size, 2), -1, np.int64)
   any_wrong = np.zeros(1, np.int64)
   for shard in quick.addressable_shards:
@@ -217,4 +223,4 @@ def compare(mesh: jax.sharding.Mesh, coll, family: Family, y: jax.Array, where: 
     res = _comparison(*args, exact=True)(y, where, tabs)
     for shard in res.addressable_shards:
       out[(shard.index[0].start or 0) // 2] = np.asarray(shard.data)
-  return out
+  return out if digest is None else (out, digests)
