@@ -192,7 +192,7 @@ def test_hlo_check_fails_the_old_program(mesh, name):
   copy in the loop body)."""
   coll, plan = collectives.get(name), PLANS["scale_up"]
   text = _old_program_hlo(mesh, coll, plan, 64, "float32")
-  exp = program._expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)  # pylint: disable=protected-access
+  exp = program.expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)
   with pytest.raises(hlo_check.HloMismatch, match="no known trip count"):
     hlo_check.verify(text, exp)
   static = "\n".join(line + ', backend_config={"known_trip_count":{"n":"10"}}' if " while(" in line else line
@@ -204,7 +204,7 @@ def test_hlo_check_fails_the_old_program(mesh, name):
 def test_hlo_check_counts_repetitions(mesh):
   coll, plan = collectives.get("all_reduce"), PLANS["scale_up"]
   long = program.build_timed(coll, mesh, plan, 64, "float32", 8)
-  exp = program._expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)  # pylint: disable=protected-access
+  exp = program.expectation(coll, plan, 64, "float32", "cpu", 10, timed=True)
   with pytest.raises(hlo_check.HloMismatch, match="runs 8 times per call, expected 10"):
     hlo_check.verify(long.hlo_text, exp)
 

@@ -215,11 +215,8 @@ def _loop_writes(hlo_text: str) -> int:
 
 
 def loop(coll: Collective | None, step: Callable, reps: int, carry: tuple) -> tuple:
-  """The timed programs' loop, as program._build_timed runs `coll`: two repetitions per trip
-  (program.repeat), one for an in-place collective (whose output must land in the buffer it read)."""
-  if getattr(coll, "inplace", False):
-    return jax.lax.fori_loop(0, reps, lambda _, c: step(c), carry)
-  return program.repeat(step, reps, carry)
+  """The timed programs' loop, as program runs `coll` (program.timed_loop)."""
+  return program.timed_loop(coll, step, reps, carry)
 
 
 def build_compute(mesh: jax.sharding.Mesh, dim: int, dtype: str, reps: int, coll: Collective | None = None) -> Arm:
@@ -279,7 +276,7 @@ def build_both(coll: Collective, mesh: jax.sharding.Mesh, plan: ScopePlan, count
   text = compiled.as_text()
   # The collective as every timed program's (op, groups, dtype, count, executions in the loop); the matmul's
   # own D^2 writes are the compute, so the message-sized-write rule is applied below against the comm arm.
-  timed = program._expectation(coll, plan, count, dtype, platform, reps, timed=True)  # pylint: disable=protected-access
+  timed = program.expectation(coll, plan, count, dtype, platform, reps, timed=True)
   exp = dataclasses.replace(timed, copy_limit=None)
   hlo_check.verify(text, exp)
   if (got := dot_executions(text)) != reps:

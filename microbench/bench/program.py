@@ -172,7 +172,7 @@ def _spec(mesh: jax.sharding.Mesh, per_rank: int, dtype) -> jax.ShapeDtypeStruct
   return jax.ShapeDtypeStruct((mesh.size * per_rank,), dtype, sharding=jax.NamedSharding(mesh, jax.P(AXES)))
 
 
-def _expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, platform: str, reps: int,
+def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, platform: str, reps: int,
                  timed: bool) -> hlo_check.Expectation:
   op = coll.hlo_expect(platform)
   n = scope.group_size
@@ -225,7 +225,7 @@ def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   n, platform = scope.group_size, platform_of(mesh)
   fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(AXES),
                      out_specs=jax.P(AXES), check_vma=False)
-  exp = _expectation(coll, scope, count, dtype, platform, 1, timed=False)
+  exp = expectation(coll, scope, count, dtype, platform, 1, timed=False)
   compiled, text, thunk_text = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])],
                                         donate=coll.inplace, command_buffer=command_buffer)
   verified = _placed(verify(text, exp), thunk_text, command_buffer, exp)
@@ -288,17 +288,23 @@ def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, co
     return (*slots, fold(c[-1], y) if each else c[-1])
 
   def per_device(*carry):
-    if coll.inplace:  # one operation per trip: its output must land in the buffer it read (the carry's)
-      return jax.lax.fori_loop(0, reps, lambda _, c: one(c), tuple(carry))
-    return repeat(one, reps, tuple(carry))
+    return timed_loop(coll, one, reps, tuple(carry))
 
   specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts] + [_spec(mesh, 1, jnp.uint32)]
   fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs),
                      out_specs=tuple(jax.P(AXES) for _ in specs), check_vma=False)
-  exp = _expectation(coll, scope, count, dtype, platform, reps, timed=True)
+  exp = expectation(coll, scope, count, dtype, platform, reps, timed=True)
   compiled, text, thunk_text = _compile(fn, specs, donate=True, command_buffer=command_buffer)
   verified = _placed(hlo_check.verify(text, exp), thunk_text, command_buffer, exp)
   return Compiled(compiled, text, verified, reps)
+
+
+def timed_loop(coll: Collective | None, step: Callable, reps: int, carry):
+  """The timed programs' loop for `coll`: two repetitions per trip (`repeat`), or one for an in-place collective,
+  whose output must land in the buffer it read (the carry's)."""
+  if coll is not None and coll.inplace:
+    return jax.lax.fori_loop(0, reps, lambda _, c: step(c), carry)
+  return repeat(step, reps, carry)
 
 
 def repeat(step: Callable, reps: int, carry):
