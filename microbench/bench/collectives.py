@@ -128,8 +128,9 @@ class Collective(abc.ABC):
     """Per-rank element count (of the S buffer) must be a multiple of this."""
     return 1
 
-  def busbw_factor(self, n: int) -> float:
-    """algbw -> busbw factor for a group of n: nccl-tests' convention for the family (fabric.conventions)."""
+  def busbw_factor(self, n: int, count: int | None = None) -> float:
+    """algbw -> busbw factor for a group of n: nccl-tests' convention for the family (fabric.conventions);
+    `count` (elements of S) matters only where the sizes do (the ragged all-to-all)."""
     return conventions.busbw_factor(type(self).name, n)
 
   def in_count(self, count: int, n: int) -> int:

@@ -347,7 +347,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         rec.setdefault("command_buffer_placement", {})["yes"] = placement
       rec.update(second)
       algbw_cb = rec["bytes"] / (second["time_us_command_buffer"] * 1e-6) / 1e9
-      rec.update(algbw_gbps_command_buffer=algbw_cb, busbw_gbps_command_buffer=algbw_cb * coll.busbw_factor(n))
+      rec.update(algbw_gbps_command_buffer=algbw_cb, busbw_gbps_command_buffer=algbw_cb * coll.busbw_factor(n, count))
       if wrong is not None and second.get("wrong_command_buffer") is not None:
         wrong += second["wrong_command_buffer"]  # a wrong second arm fails the run too
       if rec.get("timed_wrong") is not None and second.get("timed_wrong_command_buffer") is not None:
@@ -358,7 +358,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
     return {**rec, "status": "failed", "reason": f"run failed: {type(e).__name__}: {_first_line(e)}"}
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
-          "busbw_gbps": algbw * coll.busbw_factor(n)}
+          "busbw_gbps": algbw * coll.busbw_factor(n, count)}
 
 
 def profile_point(point: program.Point, short: program.Compiled, long: program.Compiled, profile_dir: str,
