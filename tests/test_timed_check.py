@@ -167,3 +167,18 @@ def test_the_digest_sees_one_wrong_element_a_swap_and_a_shift():
   for dtype in ("bfloat16", "float16", "int32", "float8_e4m3fn"):
     z = y.astype(dtype)
     assert int(program.digest(z)[0]) != int(program.digest(z.at[3].set(z[4]))[0]) or z[3] == z[4]
+
+
+def test_graph_warm_up_calls_are_counted_in_the_chain(mesh):
+  """Untimed calls of the timed programs before the samples (--command_buffer: the CUDA graph is built on the
+  second call) move the chain on: counted, the check passes; left uncounted (the bug), a point-to-point shift
+  ends 20 ranks on, 4 modulo the group of 8, and every rank's final output is wrong."""
+  coll, plan, count = collectives.get("ppermute"), PLANS["global"], 64
+  point = program.build_check(coll, mesh, plan, count, "int32")
+  assert program.check(point) == 0
+  short, long = (program.build_timed(coll, mesh, plan, count, "int32", k) for k in (2, 8))
+  _, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None,
+                                        graph_warmup=2)
+  assert len(t_long) == 2
+  assert program.check_timed(point, carry, *program.chain_reps(1, 2, 2, 8, graph_warmup=2))[0] == 0
+  assert program.check_timed(point, carry, *program.chain_reps(1, 2, 2, 8))[0] == jax.device_count()

@@ -77,6 +77,10 @@ def main_arm(setting: str, platform: str) -> Arm | None:
   return Arm(on=setting == "yes", check=setting != "no")
 
 
+# XLA:GPU runs a command buffer's first execution op by op ("warm up iteration") and records and instantiates the
+# CUDA graph on the next: two untimed calls of each timed program before the samples (program.time_pairs).
+GRAPH_WARMUP = 2
+
 SECOND_ARM = Arm(on=True)  # --command_buffer=both: the same programs again, with command buffers
 
 

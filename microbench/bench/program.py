@@ -517,7 +517,7 @@ MIN_SAMPLES = 5  # pairs a point always takes; past them it stops once `resolved
 
 def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], warmup: int, samples: int,
                barrier: Callable[[], None], inject_delay_s: float = 0.0,
-               resolved: Callable[[np.ndarray, np.ndarray], bool] | None = None
+               resolved: Callable[[np.ndarray, np.ndarray], bool] | None = None, graph_warmup: int = 0
                ) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
   """Seconds per call of each arm, up to `samples` of each, alternating (the order flips every pair so
   neither arm always runs first), and the final carry. The carry flows from call to call, donated each time,
@@ -527,7 +527,10 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
   on, after each pair, `resolved(t_short, t_long)` may end the point early: a point whose median is already
   resolved gains little from more pairs (a multi-process job must answer the same on every
   process: the sweep's answer is gathered). `inject_delay_s` (fault injection) is added per operation, so it
-  survives the difference."""
+  survives the difference. `graph_warmup`: untimed pairs of the timed programs themselves first (XLA:GPU builds
+  a command buffer's graph on its second call; the twins are other programs)."""
+  for _ in range(graph_warmup):
+    carry = _run(long, _run(short, carry))
   for _ in range(warmup):  # untimed: the checked twins, every repetition's output digested
     carry = _run(long.checked or long, _run(short.checked or short, carry))
   t_short, t_long = [], []
@@ -546,13 +549,15 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
   return np.asarray(t_short), np.asarray(t_long), carry
 
 
-def chain_reps(warmup: int, pairs: int, short_reps: int, long_reps: int) -> tuple[int, tuple[int, int]]:
+def chain_reps(warmup: int, pairs: int, short_reps: int, long_reps: int,
+               graph_warmup: int = 0) -> tuple[int, tuple[int, int]]:
   """(repetitions in the final carry, (first digested repetition's offset, digested repetitions)) after
-  time_pairs ran `pairs` timed pairs."""
+  time_pairs ran `pairs` timed pairs (and `graph_warmup` untimed pairs of the timed programs first)."""
   pair = short_reps + long_reps
+  ahead = graph_warmup * pair
   if warmup:
-    return (warmup + pairs) * pair, (0, warmup * pair)
-  return (pairs + 1) * pair, (pairs * pair, pair)
+    return ahead + (warmup + pairs) * pair, (ahead, warmup * pair)
+  return ahead + (pairs + 1) * pair, (ahead + pairs * pair, pair)
 
 
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],

@@ -292,12 +292,13 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       if coll.inplace:
         rec["inplace_copies_per_op"] = long.verified.copies / long.reps
       carry = program.initial_carry(point)
+      graphs = command_buffer.GRAPH_WARMUP if arm is not None and arm.on else 0  # --command_buffer=yes
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
       with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
         if _hang_here(cfg, index):
           time.sleep(1e9)  # fault injection: a collective that never returns
         t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay,
-                                                    _resolved(short.reps, long.reps))
+                                                    _resolved(short.reps, long.reps), graphs)
         t_short, t_long = _gather(t_short), _gather(t_long)
       stats = difference_stats(t_short, t_long, short.reps, long.reps)
       more = longer_reps(long.reps, stats, cfg.iters)
@@ -308,14 +309,14 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
           t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
-                                                      cfg.samples, barrier, delay, _resolved(short.reps, more))
+                                                      cfg.samples, barrier, delay, _resolved(short.reps, more), graphs)
           t_short, t_long = _gather(t_short), _gather(t_long)
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
       rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
       if cfg.check:  # the timed calls' own output: their checked twins' every repetition, the final carry
         t_timed_check = time.perf_counter()
-        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps)
+        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps, graphs)
         timed_wrong, rec["timed_check"] = program.check_timed(point, carry, reps, digested)
         rec["timed_check_s"] = time.perf_counter() - t_timed_check
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
@@ -432,11 +433,6 @@ def _command_buffer_programs(cfg: SweepConfig, point: program.Point, reps: int |
   return out
 
 
-# XLA:GPU runs a command buffer's first execution op by op ("warm up iteration") and records and instantiates the
-# CUDA graph on the next: two untimed calls of each timed program before the samples.
-GRAPH_WARMUP = 2
-
-
 def _command_buffer_arm(cfg: SweepConfig, point: program.Point, short: program.Compiled | None,
                         long: program.Compiled | None, barrier, delay: float) -> dict[str, Any]:
   """--command_buffer=both: the point's timed programs (in latency mode its check program) compiled again with
@@ -456,20 +452,15 @@ def _command_buffer_arm(cfg: SweepConfig, point: program.Point, short: program.C
     short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm)
     long_cb = program.build_timed(coll, mesh, plan, count, dtype, long.reps, command_buffer=arm)
     out["placement"] = {"short": short_cb.verified.command_buffer, "long": long_cb.verified.command_buffer}
-    carry = program.initial_carry(point)
-    for _ in range(GRAPH_WARMUP):  # untimed: the timed programs themselves (--warmup runs their checked twins)
-      carry = long_cb.fn(*short_cb.fn(*carry))
-      jax.block_until_ready(carry)
-    t_short, t_long, carry = program.time_pairs(short_cb, long_cb, carry, cfg.warmup, cfg.samples, barrier, delay,
-                                                _resolved(short.reps, long.reps))
+    graphs = command_buffer.GRAPH_WARMUP
+    t_short, t_long, carry = program.time_pairs(short_cb, long_cb, program.initial_carry(point), cfg.warmup,
+                                                cfg.samples, barrier, delay, _resolved(short.reps, long.reps), graphs)
     t_short, t_long = _gather(t_short), _gather(t_long)
     stats = difference_stats(t_short, t_long, short.reps, long.reps)
     out["samples_command_buffer"] = int(t_long.shape[1])
     if cfg.check:  # the chain of the second arm's calls, compared like the first's
-      reps, (offset, digested) = program.chain_reps(cfg.warmup, out["samples_command_buffer"], short.reps, long.reps)
-      ahead = GRAPH_WARMUP * (short.reps + long.reps)  # the warm-up calls came first in the chain
-      wrong, out["timed_check_command_buffer"] = program.check_timed(point, carry, reps + ahead,
-                                                                     (offset + ahead, digested))
+      reps, digested = program.chain_reps(cfg.warmup, out["samples_command_buffer"], short.reps, long.reps, graphs)
+      wrong, out["timed_check_command_buffer"] = program.check_timed(point, carry, reps, digested)
       out["timed_wrong_command_buffer"] = None if wrong is None else int(
           _gather(np.asarray([wrong], np.int64)).sum())
   for key in ("time_us", "time_us_min", "time_us_max", "time_method", "call_us_short", "call_us_long",
