@@ -42,6 +42,11 @@ def main(argv: list[str]) -> None:
       f.write(str(os.getpid()))
   print(f"rank {rank} host {distributed.hostname()} started", flush=True)
   if rank == FLAGS.fail_rank:
+    if FLAGS.pid_dir:  # every rank started (its pid written) before this one fails: the test's premise, not a race
+      deadline = time.monotonic() + 60
+      while time.monotonic() < deadline and len([f for f in os.listdir(FLAGS.pid_dir)
+                                                 if f.endswith(".pid")]) < (FLAGS.num_processes or 1):
+        time.sleep(0.05)
     print(f"rank {rank} failing on purpose", flush=True)
     sys.exit(FLAGS.fail_code)
   if rank == FLAGS.hang_rank:
