@@ -317,6 +317,9 @@ class AllGather(Collective):
   def in_count(self, count, n):
     return count // n
 
+  def in_place_form(self):
+    return InPlaceAllGather()
+
   def op(self, x, axes, n, platform):
     return lax.all_gather(x, axes, tiled=True)
 
@@ -341,6 +344,9 @@ class ReduceScatter(Reduction):
 
   def out_count(self, count, n):
     return count // n
+
+  def in_place_form(self):
+    return InPlaceReduceScatter(self.redop)
 
   def op(self, x, axes, n, platform):
     return reduce_ops.reduce_scatter(x, axes, n, self.redop)
@@ -561,17 +567,6 @@ class InPlaceReduceScatter(ReduceScatter):
       out[lo - start:hi - start] = self.finish(inputs, out[lo - start:hi - start], wire_dtype)
     return out
 
-
-def _in_place_gather(self) -> Collective:
-  return InPlaceAllGather()
-
-
-def _in_place_scatter(self) -> Collective:
-  return InPlaceReduceScatter(self.redop)
-
-
-AllGather.in_place_form = _in_place_gather
-ReduceScatter.in_place_form = _in_place_scatter
 
 NAMES = tuple(REGISTRY)  # the collectives; the reductions' other operators are variants of two of them
 for _name in ("all_reduce", "reduce_scatter"):
