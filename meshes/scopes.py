@@ -28,6 +28,7 @@ class ScopePlan:
   axes: tuple[str, ...]
   groups: np.ndarray  # [num_groups, group_size] of flat mesh positions, in group-rank order
   skip_reason: str | None = None
+  slice_devices: int | None = None  # several TPU slices: devices per slice (positions slice-major), else None
 
   @property
   def group_size(self) -> int:
@@ -58,23 +59,26 @@ def _canonical(groups: np.ndarray) -> frozenset:
 
 # When two requested scopes have the same groups, the one earlier here is kept (with one rack, global
 # is the clearer name for what rack_scale would measure).
-_KEEP_ORDER = ("scale_up", "scale_out", "global", "rack_scale")
+# On a TPU pod (meshes.tpu_slice), the ICI and DCN names say more than global.
+_KEEP_ORDER = ("scale_up", "scale_out", "host", "ici_x", "ici_y", "ici_z", "slice", "dcn", "global", "rack_scale")
 
 
 def plan_scopes(topology: Topology, names: Sequence[str]) -> list[ScopePlan]:
   """The scopes to run, in the order given, each with its groups; degenerate or duplicate scopes carry a
-  skip reason."""
-  groups = {name: scope_groups(topology.shape, SCOPE_AXES[name]) for name in names}
+  skip reason. A machine with its own axes and scopes (a TPU pod, `meshes.tpu_slice`) brings them along."""
+  scope_axes = getattr(topology, "scope_axes", SCOPE_AXES)
+  axis_names = getattr(topology, "axis_names", AXES)
+  groups = {name: scope_groups(topology.shape, scope_axes[name], axis_names) for name in names}
   keys = {name: _canonical(g) for name, g in groups.items()}
   plans: list[ScopePlan] = []
   for name in names:
     g = groups[name]
     reason = None
     twins = [o for o in names if o != name and keys[o] == keys[name] and groups[o].shape[1] > 1]
-    keeper = min([name, *twins], key=_KEEP_ORDER.index)
+    keeper = min([name, *twins], key=lambda s: _KEEP_ORDER.index(s) if s in _KEEP_ORDER else len(_KEEP_ORDER))
     if g.shape[1] < 2:
       reason = f"groups of one device with topology {topology}"
     elif keeper != name:
       reason = f"same groups as scope {keeper} with topology {topology}"
-    plans.append(ScopePlan(name, SCOPE_AXES[name], g, reason))
+    plans.append(ScopePlan(name, scope_axes[name], g, reason, getattr(topology, "slice_devices", None)))
   return plans

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes.topology import AXES
 from microbench.bench import known_inputs as ki
 
 _U = jnp.uint32
@@ -129,7 +128,7 @@ def where_array(mesh: jax.sharding.Mesh, groups: np.ndarray) -> jax.Array:
   for gi, group in enumerate(groups):
     for r, p in enumerate(group):
       info[int(p)] = (gi, r)
-  return jax.device_put(info.reshape(-1), jax.NamedSharding(mesh, jax.P(AXES)))
+  return jax.device_put(info.reshape(-1), jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
 
 
 @functools.lru_cache(maxsize=16)
@@ -146,7 +145,7 @@ def _generator(mesh: jax.sharding.Mesh, family_key: tuple, per_rank: int, names:
     return family.rank_values(tabs, where[0], where[1], per_rank).astype(family.dtype)
 
   specs = {k: jax.P() for k in names}
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), specs), out_specs=jax.P(AXES),
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(mesh.axis_names), specs), out_specs=jax.P(mesh.axis_names),
                                check_vma=False))
 
 
@@ -191,13 +190,13 @@ def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int
     differs = y != want
     if not exact:
       count = jnp.sum(differs, dtype=jnp.float32).reshape(1)
-      return count if digest is None else (count, jax.lax.all_gather(digest(y), AXES, tiled=True))
+      return count if digest is None else (count, jax.lax.all_gather(digest(y), mesh.axis_names, tiled=True))
     first = jnp.min(jnp.where(differs, jax.lax.iota(jnp.int32, out_count), jnp.int32(out_count)))
     return jnp.stack([jnp.sum(differs, dtype=jnp.int32), first])
 
   specs = {k: jax.P() for k in names}
-  out_specs = jax.P(AXES) if digest is None or exact else (jax.P(AXES), jax.P())
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P(AXES), specs),
+  out_specs = jax.P(mesh.axis_names) if digest is None or exact else (jax.P(mesh.axis_names), jax.P())
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(mesh.axis_names), jax.P(mesh.axis_names), specs),
                                out_specs=out_specs, check_vma=False))
 
 

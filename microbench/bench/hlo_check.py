@@ -70,6 +70,20 @@ class Expectation:
   # message-sized copies (an op XLA runs out of place, its output copied back into that buffer) are counted
   # in Verified.copies instead of failing.
   aliased: bool = False
+  # XLA:TPU: its memory-space assignment stages operands and results in the chip's on-chip memory (VMEM, memory
+  # space S(1)) with copies from and to HBM, and it copies buffers between layouts around the timed loop: part
+  # of how a TPU runs the program, counted (Verified.staged), not failed, where they happen once per call (the
+  # difference of the short and long timed programs cancels them) or to and from on-chip memory. A copy of the
+  # message in HBM on every repetition still fails.
+  onchip_staging: bool = False
+  # Other forms the platform writes the op in, (opcode, elements per device): XLA:TPU writes an all-gather as an
+  # all-reduce of a zero-padded buffer and a reduce-scatter as an all-reduce and a slice. Checked as that op over
+  # the same groups, and said (Verified.written_as).
+  rewrites: tuple[tuple[str, int], ...] = ()
+  # Several TPU slices (multislice): chips per slice. XLA:TPU compiles one slice's program, its groups in
+  # slice-local ids; a scope inside a slice is checked on slice 0's groups, one across slices as Megascale (DCN)
+  # transfers (`verify_dcn`). None: one slice, or not a TPU.
+  slice_devices: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +97,9 @@ class Verified:
   sync_starts: int = 0     # async starts XLA:GPU marked to run synchronously
   body_writes: int | None = None  # elements the loop body writes besides the collective, per trip
   copies: int | None = None  # in place: message-sized copies per call (0: the op itself ran in place)
+  staged: int | None = None  # XLA:TPU: message-sized staging and layout copies per call (onchip_staging)
+  written_as: str | None = None  # the platform's own form of the op (`rewrites`), e.g. "all-gather as all-reduce"
+  dcn: dict | None = None  # across TPU slices: the Megascale transfers per call and the ICI collectives beside them
   # XLA:GPU's command buffers as compiled (verify_command_buffer): asked, and how many of the collectives and
   # loops run inside one; None where the thunk sequence was not read
   command_buffer: dict | None = None
@@ -93,6 +110,10 @@ class Verified:
             "executions_in_loop": self.in_loop, "trip_counts": sorted(set(self.trip_counts)),
             "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes,
             **({"inplace_copies": self.copies} if self.copies is not None else {}),
+            **({"staging_copies": self.staged} if self.staged is not None else {}),
+            **({"written_as": self.written_as} if self.written_as else {}),
+            **({"dcn": self.dcn} if self.dcn else {}),
+            **({"algorithm": algo} if (algo := parse.algorithm_config(self.match.text)) else {}),
             **({"command_buffer": self.command_buffer} if self.command_buffer is not None else {})}
 
 
@@ -158,6 +179,22 @@ def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = Fa
 
 def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Verified:
   """Checks every property in the module docstring; raises HloMismatch naming the first one that fails."""
+  if exp.slice_devices:
+    chips = exp.slice_devices
+    within = all(len({int(v) // chips for v in g}) == 1 for g in exp.groups)
+    if not within:
+      return verify_dcn(hlo_text, exp)
+    local = np.asarray([g for g in exp.groups if int(g[0]) < chips])
+    return verify(hlo_text, dataclasses.replace(exp, groups=local, slice_devices=None), want)
+  if exp.rewrites:
+    ops = {c.op for c in find_collectives(hlo_text)}
+    for op, elements in exp.rewrites if exp.op not in ops else ():
+      if op in ops:
+        # the zero-padded buffer an all-gather is summed in, and the slice a reduce-scatter keeps, are the form's
+        # own writes: as for writes_are_the_op, only copies of the message fail
+        v = verify(hlo_text, dataclasses.replace(exp, op=op, elements=elements, ordered=False, rewrites=(),
+                                                 writes_are_the_op=True))
+        return dataclasses.replace(v, written_as=f"{exp.op} as {op}")
   matches = verify_groups(hlo_text, exp.op, exp.groups, exp.ordered, want)
   asked = HLO_TYPE[exp.dtype]
   wire = set()
@@ -199,13 +236,72 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   if exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0:
     raise HloMismatch("in place asked, but the program's result does not take its input's buffer (no"
                       f" input_output_alias of the result to parameter 0): {hlo_text.split(chr(10), 1)[0][:240]}")
-  writes, copies = None, None
+  writes, copies, staged = None, None, None
   if exp.copy_limit is not None:
-    writes, copies = _no_big_writes(hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op,
-                                    exempt_scope=exp.exempt_scope, count_copies=counts if exp.aliased else None)
+    writes, copies, staged = _no_big_writes(
+        hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op, exempt_scope=exp.exempt_scope,
+        count_copies=counts if exp.aliased else None, staging=counts if exp.onchip_staging else None)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync), writes, copies)
+                  sum(1 for c in matches if c.sync), writes, copies, staged=staged)
+
+
+def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
+  """A collective across TPU slices, as XLA:TPU compiles it: Megascale transfers over the data-center network.
+
+  One chip per slice in each group (the `dcn` scope): the program's only collectives must be DCN transfers of
+  the op's own type (ALL_REDUCE for an all-reduce ...), `exp.executions` of them per call, counted through
+  loops like any collective. Groups spanning chips of several slices: XLA:TPU splits the op into ICI collectives
+  inside each slice and DCN transfers between slices; every ICI group must stay in its slice and the DCN
+  transfers per call must be a whole multiple of the executions. The write check does not apply: the transfers
+  go through host buffers the runtime owns."""
+  chips = exp.slice_devices or 1
+  transfers = parse.megascale_transfers(hlo_text)
+  ici = find_collectives(hlo_text)
+  one_each = all(len({int(v) // chips for v in g}) == len(g) for g in exp.groups)
+  if not transfers:
+    raise HloMismatch(f"expected {exp.op} across slices as Megascale (DCN) transfers, compiled program has none"
+                      f" ({_describe(ici)})")
+  want = parse.MEGASCALE_OPS.get(next((k for k, v in parse.MEGASCALE_OPS.items() if v == exp.op), ""), exp.op)
+  if one_each:
+    other = [t for t in transfers if t.op != want]
+    if other or ici:
+      seen = sorted({t.transfer for t in other}) + [c.op for c in ici]
+      raise HloMismatch(f"{exp.op} over one chip per slice must be one DCN {want} transfer; the program also has:"
+                        f" {', '.join(seen)}")
+  bad = [c for c in ici if any(v >= chips for g in c.groups for v in g)]
+  if bad:
+    raise HloMismatch(f"an ICI collective leaves its slice: {_describe(bad)}")
+  comps = parse.computations(hlo_text)
+  counts = parse.execution_counts(hlo_text, comps)
+  in_loops: dict[str, WhileTrip] = {}
+  for loop in parse.while_loops(hlo_text, comps):
+    for name in parse.reachable(hlo_text, loop.body, comps):
+      in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  total, inside, trips = 0, 0, []
+  for t in transfers:
+    times = counts.get(t.computation)
+    if times is None:
+      raise HloMismatch(f"can't count how often the DCN {t.transfer} transfer runs (a loop without a trip count)")
+    total += times
+    if t.computation in in_loops:
+      inside += times
+      trips.append(in_loops[t.computation].trip_count)
+  if (total != exp.executions) if one_each else (total < exp.executions or total % exp.executions):
+    raise HloMismatch(f"DCN transfers run {total} times per call, expected {exp.executions}"
+                      f"{'' if one_each else ' or a whole multiple of it'}")
+  per_op = total // exp.executions
+  if exp.in_loop and (inside == 0 or (total - inside) // per_op > exp.outside_max):
+    raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} DCN transfers outside a loop with a known trip"
+                      " count")
+  first = transfers[0]
+  match = HloCollective(exp.op, (), first.line, first.element_types, first.elements, first.computation,
+                        f"megascale-{first.transfer.lower().replace('_', '-')}")
+  wire = DTYPE_OF.get(first.element_types[0], exp.dtype) if first.element_types else exp.dtype
+  dcn = {"transfers_per_op": per_op, "types": sorted({t.transfer for t in transfers}),
+         "ici_collectives_per_call": len(ici), "ici_ops": sorted({c.op for c in ici})}
+  return Verified(match, wire, exp.executions, tuple(t for t in trips if t is not None), inside // per_op,
+                  tuple(f"megascale-{t.transfer.lower().replace('_', '-')}" for t in transfers), dcn=dcn)
 
 
 def _first_output(hlo_text: str) -> tuple[int, ...]:
@@ -249,7 +345,9 @@ def _written(ins: parse.Instr, fused: dict[str, parse.Computation]) -> int:
       if len(operands) >= 2 and operands[1] in types:
         return parse.result_arrays(types[operands[1]])[1]
   shaped = "(" + ", ".join(re.findall(r"\b[a-z]+[0-9a-z]*\[[\d,]+\]", ins.type_text)) + ")"
-  return parse.result_arrays(shaped, "copy" if ins.opcode == "copy-start" else None)[1]
+  # async starts: copy-start's result is element 0, slice-start's (XLA:TPU) element 1 (0 holds its operand)
+  start = {"copy-start": "copy", "slice-start": "slice"}.get(ins.opcode)
+  return parse.result_arrays(shaped, start)[1]
 
 
 def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None) -> dict[str, list[tuple[int, parse.Instr]]]:
@@ -278,19 +376,36 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
   return out
 
 
+_ONCHIP = re.compile(r"\bS\(1\)")  # a layout's memory space 1: XLA:TPU's on-chip vector memory (VMEM)
+
+
+def _staging_copy(ins: parse.Instr) -> bool:
+  """An instruction whose result (or a copy's source) lives in on-chip memory: XLA:TPU staging a buffer between
+  HBM and VMEM (copies, async slices, its `ConcatBitcast` of staged pieces). VMEM is not the HBM traffic the
+  write check guards against; these writes are counted and reported instead."""
+  return bool(_ONCHIP.search(ins.type_text))
+
+
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
                    op_writes: bool = False, exempt_scope: str | None = None,
-                   count_copies: dict[str, int | None] | None = None) -> tuple[int, int | None]:
+                   count_copies: dict[str, int | None] | None = None,
+                   staging: dict[str, int | None] | None = None) -> tuple[int, int | None, int | None]:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
   slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
   `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. With
   `count_copies` (in place: each computation's executions per call) message-sized copies are counted instead.
-  Returns the elements the loop body writes besides the collective, per trip, and the copies per call."""
-  body, copies = 0, None if count_copies is None else 0
+  With `staging` (XLA:TPU), message-sized copies to or from on-chip memory are counted, not failed.
+  Returns the elements the loop body writes besides the collective, per trip, the copies and the staging copies
+  per call."""
+  body, copies, staged = 0, None if count_copies is None else 0, None if staging is None else 0
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:
         body += elements
+      if staging is not None and elements >= limit and (_staging_copy(ins) or (
+          name not in in_loops and ins.opcode in ("copy", "copy-start"))):
+        staged += staging.get(name) or 1
+        continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
         copies += count_copies.get(name) or 1
         continue
@@ -299,7 +414,7 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
                           f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
-  return body, copies
+  return body, copies, staged
 
 
 def verify_command_buffer(verified: Verified, thunk_text: str | None, on: bool, loop: bool) -> Verified:

@@ -52,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshes.scopes import ScopePlan
-from meshes.topology import AXES
 from microbench.bench import hlo_check, program
 from microbench.bench.collectives import Collective
 from microbench.hlo import parse
@@ -126,14 +125,14 @@ def _pattern(rows: int, cols: int, shift) -> jax.Array:
 
 @functools.lru_cache(maxsize=16)
 def _inputs_fn(mesh: jax.sharding.Mesh, dim: int, dtype: str) -> Callable:
-  sharding = jax.NamedSharding(mesh, jax.P(AXES))
+  sharding = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
 
   def per_device():
     m0 = _pattern(dim, dim, 0).astype(program.DTYPES[dtype])
     p = (jax.lax.broadcasted_iota(jnp.int32, (dim, dim), 1)
          == jnp.mod(jax.lax.broadcasted_iota(jnp.int32, (dim, dim), 0) + 1, dim)).astype(program.DTYPES[dtype])
     return m0, p
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=(jax.P(AXES), jax.P(AXES)),
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(), out_specs=(jax.P(mesh.axis_names), jax.P(mesh.axis_names)),
                                check_vma=False), out_shardings=(sharding, sharding))
 
 
@@ -147,7 +146,7 @@ def _compare_fn(mesh: jax.sharding.Mesh, dim: int) -> Callable:
   def per_device(m, shift):
     want = _pattern(dim, dim, shift[0])
     return jnp.sum(m.astype(jnp.float32) != want.astype(jnp.float32), dtype=jnp.int32).reshape(1)
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES), jax.P()), out_specs=jax.P(AXES),
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(mesh.axis_names), jax.P()), out_specs=jax.P(mesh.axis_names),
                                check_vma=False))
 
 
@@ -169,7 +168,7 @@ class Arm:
 
 def _spec(mesh: jax.sharding.Mesh, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct((mesh.size * shape[0], *shape[1:]), dtype,
-                              sharding=jax.NamedSharding(mesh, jax.P(AXES)))
+                              sharding=jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
 
 
 def dot_executions(hlo_text: str) -> int:
@@ -228,7 +227,7 @@ def build_compute(mesh: jax.sharding.Mesh, dim: int, dtype: str, reps: int, coll
     return loop(coll, lambda c: (matmul(c[0], c[1]), c[1]), reps, (m, w))
 
   specs = [_spec(mesh, (dim, dim), dt)] * 2
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(AXES),) * 2, out_specs=(jax.P(AXES),) * 2,
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(mesh.axis_names),) * 2, out_specs=(jax.P(mesh.axis_names),) * 2,
                      check_vma=False)
   compiled = jax.jit(fn, donate_argnums=(0, 1)).lower(*specs).compile()
   text = compiled.as_text()
@@ -270,8 +269,8 @@ def build_both(coll: Collective, mesh: jax.sharding.Mesh, plan: ScopePlan, count
 
   specs = ([_spec(mesh, (c,), program.DTYPES[dtype]) for c in counts] + [_spec(mesh, (1,), jnp.uint32)]
            + [_spec(mesh, (dim, dim), cdt)] * 2)
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs),
-                     out_specs=tuple(jax.P(AXES) for _ in specs), check_vma=False)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(mesh.axis_names) for _ in specs),
+                     out_specs=tuple(jax.P(mesh.axis_names) for _ in specs), check_vma=False)
   compiled = jax.jit(fn, donate_argnums=tuple(range(len(specs)))).lower(*specs).compile()
   text = compiled.as_text()
   # The collective as every timed program's (op, groups, dtype, count, executions in the loop); the matmul's

@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshes.scopes import ScopePlan
-from meshes.topology import AXES
 from microbench.bench import command_buffer as cmdbuf
 from microbench.bench import device_inputs, hlo_check, known_inputs
 from microbench.bench.collectives import Collective
@@ -133,7 +132,7 @@ class Point:
 
 def _global_array(mesh: jax.sharding.Mesh, per_rank: int, fill: Callable[[int], np.ndarray], dtype) -> jax.Array:
   """A [devices * per_rank] array sharded over every mesh axis; `fill(position)` gives one device's part."""
-  sharding = jax.NamedSharding(mesh, jax.P(AXES))
+  sharding = jax.NamedSharding(mesh, jax.P(mesh.axis_names))
 
   def cb(index):
     sl = index[0]
@@ -169,7 +168,7 @@ def known_input_array_host(point: Point, run: int = 0) -> jax.Array:
 
 
 def _spec(mesh: jax.sharding.Mesh, per_rank: int, dtype) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct((mesh.size * per_rank,), dtype, sharding=jax.NamedSharding(mesh, jax.P(AXES)))
+  return jax.ShapeDtypeStruct((mesh.size * per_rank,), dtype, sharding=jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
 
 
 def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, platform: str, reps: int,
@@ -189,10 +188,32 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
       # avg's multiplication by 1/n writes the output once more on every platform: part of the op.
-      writes_are_the_op=coll.writes_message or platform == "cpu" and (
+      # XLA:TPU's masked all-reduce standing in for a broadcast selects the message as XLA:CPU's does.
+      writes_are_the_op=coll.writes_message or platform == "tpu" and op == "all-reduce" and (
+          coll.hlo_op == "collective-broadcast") or platform == "cpu" and (
           coll.hlo_op in ("all-to-all", "collective-broadcast", "ragged-all-to-all")
           or dtype in ("bfloat16", "float16", *known_inputs.FP8)),
-      aliased=coll.inplace)
+      aliased=coll.inplace, onchip_staging=platform == "tpu", rewrites=_tpu_rewrites(coll, count, n, platform),
+      slice_devices=slice_devices(scope, platform))
+
+
+def slice_devices(scope: ScopePlan, platform: str) -> int | None:
+  """Chips per slice when the devices are several TPU slices (hlo_check.Expectation.slice_devices), else None."""
+  if platform != "tpu" or scope.slice_devices is None:
+    return None
+  return scope.slice_devices
+
+
+def _tpu_rewrites(coll: Collective, count: int, n: int, platform: str) -> tuple[tuple[str, int], ...]:
+  """XLA:TPU's own forms of an op (hlo_check.Expectation.rewrites): an all-gather as an all-reduce of the
+  zero-padded output, a reduce-scatter as an all-reduce of the whole input (then sliced)."""
+  if platform != "tpu":
+    return ()
+  if coll.hlo_op == "all-gather":
+    return (("all-reduce", coll.out_count(count, n)),)
+  if coll.hlo_op == "reduce-scatter":
+    return (("all-reduce", coll.in_count(count, n)),)
+  return ()
 
 
 def _compile(fn: Callable, specs: list, donate: bool, command_buffer: cmdbuf.Arm | None = None
@@ -223,8 +244,8 @@ def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   replaceable for tests whose deliberately wrong collectives need their own HLO expectation; `command_buffer`:
   XLA:GPU's command buffers for it (None: XLA's default)."""
   n, platform = scope.group_size, platform_of(mesh)
-  fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(AXES),
-                     out_specs=jax.P(AXES), check_vma=False)
+  fn = jax.shard_map(lambda x: coll.op(x, scope.axes, n, platform), mesh=mesh, in_specs=jax.P(mesh.axis_names),
+                     out_specs=jax.P(mesh.axis_names), check_vma=False)
   exp = expectation(coll, scope, count, dtype, platform, 1, timed=False)
   compiled, text, thunk_text = _compile(fn, [_spec(mesh, coll.in_count(count, n), DTYPES[dtype])],
                                         donate=coll.inplace, command_buffer=command_buffer)
@@ -291,8 +312,8 @@ def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, co
     return timed_loop(coll, one, reps, tuple(carry))
 
   specs = [_spec(mesh, c, DTYPES[dtype]) for c in counts] + [_spec(mesh, 1, jnp.uint32)]
-  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in specs),
-                     out_specs=tuple(jax.P(AXES) for _ in specs), check_vma=False)
+  fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(mesh.axis_names) for _ in specs),
+                     out_specs=tuple(jax.P(mesh.axis_names) for _ in specs), check_vma=False)
   exp = expectation(coll, scope, count, dtype, platform, reps, timed=True)
   compiled, text, thunk_text = _compile(fn, specs, donate=True, command_buffer=command_buffer)
   verified = _placed(hlo_check.verify(text, exp), thunk_text, command_buffer, exp)
@@ -331,7 +352,7 @@ def initial_carry(point: Point) -> tuple[jax.Array, ...]:
 def _zeros(mesh: jax.sharding.Mesh, per_rank: int, dtype) -> Callable[[], jax.Array]:
   """Zeros of [devices x per_rank], made on the devices (from the host, a 64 MiB slot took seconds a point)."""
   return jax.jit(lambda: jnp.zeros((mesh.size * per_rank,), dtype),
-                 out_shardings=jax.NamedSharding(mesh, jax.P(AXES)))
+                 out_shardings=jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
 
 
 def check(point: Point, compare: bool = True) -> int:
@@ -375,8 +396,8 @@ def _slot_digests(mesh: jax.sharding.Mesh, slots: int) -> Callable:
   """The final carry's data slots -> each rank's digest of each, [devices x slots], sharded like the carry."""
   def per_device(*xs):
     return jnp.concatenate([digest(x) for x in xs])
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(AXES) for _ in range(slots)),
-                               out_specs=jax.P(AXES), check_vma=False))
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(mesh.axis_names) for _ in range(slots)),
+                               out_specs=jax.P(mesh.axis_names), check_vma=False))
 
 
 def expected_acc(sequence: list[int], reps: int) -> int:
@@ -402,8 +423,8 @@ def _digest_all(mesh: jax.sharding.Mesh) -> Callable:
   collectives repeat other ranks' inputs). Kept apart from the generator: fused with it, XLA:CPU computed the
   inputs twice (for the output and for the digest), 0.30 -> 0.68 s at 16 MiB on 8 devices."""
   def per_device(x):
-    return jax.lax.all_gather(digest(x), AXES, tiled=True)
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=jax.P(AXES), out_specs=jax.P(), check_vma=False))
+    return jax.lax.all_gather(digest(x), mesh.axis_names, tiled=True)
+  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=jax.P(mesh.axis_names), out_specs=jax.P(), check_vma=False))
 
 
 def compare_output(point: Point, y: jax.Array, run: int = 0, digested: bool = False):
@@ -585,7 +606,7 @@ def make_barrier(mesh: jax.sharding.Mesh) -> Callable[[], None]:
   """A cross-process barrier (a tiny all-reduce over every device); a no-op in a single process."""
   if jax.process_count() == 1:
     return lambda: None
-  fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, AXES), mesh=mesh, in_specs=jax.P(AXES),
+  fn = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, mesh.axis_names), mesh=mesh, in_specs=jax.P(mesh.axis_names),
                              out_specs=jax.P(), check_vma=False))
   ones = _global_array(mesh, 1, lambda p: np.ones(1), jnp.int32)
 

@@ -22,7 +22,8 @@ from microbench.fabric import peaks as link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta, nccl_log
-from microbench.target import compile_only
+from microbench.fabric import tpu_kinds
+from microbench.target import compile_only, tpu_compile_only
 
 # Per device a point holds the known inputs, the check's output, then the loop carry and the body's
 # temporary (all-gather: its input shard too): about 4 S at the peak.
@@ -91,12 +92,15 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
             nodes_per_rack: int | None, flag_values: dict[str, Any],
             cluster: distributed.Settings = distributed.Settings()) -> int:
   target = None
+  tpu = machine.is_tpu_target(cfg.target)
   if cfg.target:  # compile-only devices of a GPU kind: nothing runs, no processes to join
     try:
       topology, target, mesh, note = machine.resolve_target(cfg.target, topology, nodes_per_rack)
-    except (TopologyError, compile_only.TargetError, compile_only.KindError) as e:
+    except (TopologyError, compile_only.TargetError, compile_only.KindError, tpu_compile_only.TargetError,
+            tpu_kinds.KindError) as e:
       raise app.UsageError(str(e)) from None
-    cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes)
+    cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes,
+                              memory_fraction=compile_only.TPU_MEM_FRACTION if tpu else None)
     capture_nccl = False  # nothing runs, no communicator starts
     emulated, hosts = False, [f"compile-only-host-{i}" for i in range(target.hosts)]
     import jax  # pylint: disable=g-import-not-at-top
@@ -116,7 +120,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   if refused:
     raise app.UsageError(refused)
   if cfg.max_bytes is None:  # --max_bytes=auto
-    platform = "gpu" if target else mesh.devices.flat[0].platform
+    platform = mesh.devices.flat[0].platform
     cfg = dataclasses.replace(cfg, max_bytes=sizes.default_max_bytes(platform, cfg.min_bytes))
   if not target:  # a compile-only run reports each point's fit instead
     _check_memory(cfg)
@@ -159,9 +163,11 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
                            if k in flags.FLAGS and k not in ("outdir", "resume")})
   out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
   if target:
-    out.print(f"# microbench: jax {meta['jax_version']}, compile only for {target.hosts} host(s) x "
-              f"{target.gpus_per_host} {target.kind.title} (XLA:GPU, --target={target.kind.name}): nothing runs,"
-              " every program is compiled and its HLO checked")
+    compiler = "XLA:TPU" if tpu else "XLA:GPU"
+    what = (f"{target.kind.title} slice {topology}" if tpu else
+            f"{target.hosts} host(s) x {target.gpus_per_host} {target.kind.title}")
+    out.print(f"# microbench: jax {meta['jax_version']}, compile only for {what} ({compiler},"
+              f" --target={target.kind.name}): nothing runs, every program is compiled and its HLO checked")
   else:
     out.print(f"# microbench: jax {meta['jax_version']}, {meta['process_count']} process(es), "
               f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
@@ -225,9 +231,11 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   compiled = [r for r in everything if r["status"] == "compiled"]
   if target:
     too_big = [r for r in compiled if r.get("fits") is False]
-    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, every HLO check passed on XLA:GPU's"
-              f" HLO; {len(too_big)} do not fit the {compile_only.mem_fraction():.0%} of"
-              f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses (XLA_PYTHON_CLIENT_MEM_FRACTION)")
+    usable = ("the whole" if tpu else f"the {compile_only.mem_fraction():.0%} of")
+    why = "XLA:TPU's allocator has all of it" if tpu else "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, every HLO check passed on"
+              f" {'XLA:TPU' if tpu else 'XLA:GPU'}'s HLO; {len(too_big)} do not fit {usable}"
+              f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses ({why})")
   else:
     out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
   if failed:

@@ -60,6 +60,7 @@ class SweepConfig:
   inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
   target: str | None = None        # --target: compile for this GPU kind's compile-only devices, run nothing
   device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)
+  memory_fraction: float | None = None  # the share of it JAX uses (None: a GPU's, compile_only.mem_fraction())
   profile_points: tuple[int, ...] = ()  # --profile_points: point numbers (as printed, from 1) to trace
   profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
   keep_going: bool = False  # --keep_going: a failed point is recorded and the sweep goes on (else it stops)
@@ -401,12 +402,14 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
     facts[name] = {**prog.verified.facts(), "reps": prog.reps, "memory": mem}
     peak = max(peak, mem["total_bytes"] if mem else 0)
   out = {**rec, "status": "compiled", "target": cfg.target, "programs": facts, "memory_bytes": peak,
-         "op_emitted": facts["check"]["op_emitted"]}
+         "op_emitted": facts["check"]["op_emitted"],
+         # XLA:TPU: the algorithm it chose, its own form of the op, the DCN transfers across slices
+         **{k: facts["check"][k] for k in ("algorithm", "written_as", "dcn") if k in facts["check"]}}
   if long is not None:
     out.update(iters=long.reps, short_iters=short.reps, trip_count=max(long.verified.trip_counts, default=None),
                loop_reps=long.verified.in_loop)
   if cfg.device_memory:
-    out.update(compile_only.fit(peak, cfg.device_memory))
+    out.update(compile_only.fit(peak, cfg.device_memory, cfg.memory_fraction))
   return out
 
 

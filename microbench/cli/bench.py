@@ -11,6 +11,7 @@ import sys
 
 from absl import app, flags
 
+from meshes import tpu_slice
 from meshes.scopes import SCOPES
 from microbench.bench import collectives, command_buffer, overlap, reduce_ops, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
@@ -18,6 +19,7 @@ from microbench.cli import cluster_flags, runner
 from microbench.cluster import machine
 from microbench.fabric import description as fabric_description
 from microbench.fabric import peaks as link_peaks
+from microbench.fabric import tpu_kinds
 from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
@@ -25,7 +27,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("collectives", ["all"], f"Collectives to run, or 'all': {', '.join(collectives.NAMES)}. By name"
                   f" only (not in 'all'): the ragged all-to-all per MoE send-size distribution,"
                   f" {', '.join(collectives.RAGGED)}.")
-flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPES)}.")
+flags.DEFINE_list("scopes", ["all"], f"Scopes to run, or 'all': {', '.join(SCOPES)}; on a TPU target:"
+                  f" {', '.join(tpu_slice.SCOPES)}.")
 flags.DEFINE_list("op", ["sum"], "Reduction operator(s) of all_reduce and reduce_scatter (nccl-tests' -o), or 'all':"
                   f" {', '.join(reduce_ops.OPS)}. Other collectives have none.")
 flags.DEFINE_enum("inplace", "no", ["no", "yes", "both"], "Run each collective in place (its input donated, its"
@@ -200,11 +203,15 @@ def config_from_flags() -> sweep.SweepConfig:
                          " without command buffers; measure them apart")
   if overlap_spec and FLAGS.iters == 1:
     raise app.UsageError("--overlap times its three arms by difference: not in latency mode (--iters=1)")
+  tpu = machine.is_tpu_target(FLAGS.target)
+  if tpu and (overlap_spec or FLAGS.command_buffer != "no"):
+    raise app.UsageError(f"--{'overlap' if overlap_spec else 'command_buffer'} reads XLA:GPU's schedule and thunks;"
+                         f" a TPU --target={FLAGS.target} compiles with XLA:TPU: drop it")
   return sweep.SweepConfig(
       collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective", collectives.RAGGED),
                             _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,
                             explicit=FLAGS.collectives != ["all"], inplace=FLAGS.inplace, root=FLAGS.root),
-      scopes=_choose(FLAGS.scopes, SCOPES, "scope"),
+      scopes=_choose(FLAGS.scopes, tpu_slice.SCOPES, "TPU scope") if tpu else _choose(FLAGS.scopes, SCOPES, "scope"),
       dtypes=dtypes,
       min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
       iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
@@ -224,8 +231,8 @@ def main(argv: list[str]) -> int:
     _load_resumed_flags(FLAGS.resume)
   cfg = config_from_flags()
   try:
-    topology = machine.parse_topology(FLAGS.topology) if FLAGS.topology else None
-  except machine.TopologyError as e:
+    topology = machine.parse_target_topology(FLAGS.target, FLAGS.topology)
+  except (machine.TopologyError, tpu_kinds.KindError) as e:
     raise app.UsageError(str(e)) from None
   outdir = FLAGS.resume or FLAGS.outdir or os.path.join("runs", run_folder.default_name())
   if not FLAGS.resume and run_folder.read_meta(outdir) is not None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
+
+from meshes import tpu_slice
 from meshes.mesh import build_mesh, ordered_devices
 from meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
-from microbench.fabric import gpu_kinds
-from microbench.target import compile_only
+from microbench.fabric import gpu_kinds, tpu_kinds
+from microbench.target import compile_only, tpu_compile_only
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -45,11 +48,20 @@ def device_memory(device) -> int | None:
 
 
 def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topology, Any, str]:
-  """The run's topology, its mesh and a note on where the topology came from."""
+  """The run's topology, its mesh and a note on where the topology came from. On TPUs the machine is what the
+  chips say of themselves (torus coordinates, slice, host): `meshes.tpu_slice`."""
   import jax  # pylint: disable=g-import-not-at-top
   from microbench.cluster.distributed import process_hosts  # pylint: disable=g-import-not-at-top
 
   devices = ordered_devices()
+  if devices[0].platform == "tpu":
+    if topology is not None:
+      raise TopologyError("--topology describes GPU nodes; on TPUs the slice is read from the chips themselves")
+    try:
+      slices, ordered = tpu_slice.slices_from_devices(devices)
+    except tpu_slice.SliceError as e:
+      raise TopologyError(str(e)) from None
+    return slices, tpu_slice.build_mesh(slices, ordered), f"TPU slice {slices} from the devices' coordinates"
   hosts = process_hosts()
   device_hosts = [hosts[d.process_index] for d in devices]
   _, perm = topology_from_hosts(device_hosts)
@@ -71,10 +83,47 @@ def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topo
   return topology, build_mesh(topology, devices), note
 
 
-def resolve_target(kind: str, topology: Topology | None, nodes_per_rack: int | None):
+def is_tpu_target(kind: str | None) -> bool:
+  """Whether --target names a TPU generation (compiled by XLA:TPU) rather than a GPU kind."""
+  return bool(kind) and tpu_kinds.is_tpu_name(kind)
+
+
+def parse_target_topology(kind: str | None, text: str | None):
+  """--topology as the target understands it: a TPU slice (`4x4x4,slices:2`) for a TPU kind, GPU nodes
+  (`racks:R,nodes:N,gpus:G`) otherwise; None when not given. Raises TopologyError, KindError or TargetError."""
+  if not text:
+    return None
+  if is_tpu_target(kind):
+    try:
+      return tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
+    except tpu_compile_only.TargetError as e:
+      raise TopologyError(str(e)) from None
+  return parse_topology(text)
+
+
+def resolve_tpu_target(kind: str, shape: tpu_compile_only.SliceShape | None, nodes_per_rack: int | None):
+  """(slices, target, mesh, note) for libtpu's compile-only chips of TPU kind `kind` in `shape` (default: one
+  host's chips). Raises TopologyError, TargetError or KindError with a one-line message."""
+  spec = tpu_kinds.target(kind)
+  if nodes_per_rack:
+    raise TopologyError(f"--nodes_per_rack groups GPU nodes into racks; a {spec.title} slice has no racks")
+  note = (f"TPU slice {shape} from --topology" if shape else
+          f"one host's {spec.title} chips ({'x'.join(map(str, spec.host_shape[:spec.torus_dims]))}; set --topology,"
+          f" e.g. {'4x4x4' if spec.torus_dims == 3 else '4x4'},slices:2, to change)")
+  target = tpu_compile_only.make_target(kind, shape)
+  try:
+    slices, ordered = tpu_slice.slices_from_devices(target.devices)
+  except tpu_slice.SliceError as e:
+    raise TopologyError(str(e)) from None
+  return slices, target, tpu_slice.build_mesh(slices, ordered), note
+
+
+def resolve_target(kind: str, topology, nodes_per_rack: int | None):
   """(topology, target, mesh, note) for compile-only devices of GPU kind `kind`: the topology as given, or one
-  node of the kind's usual size (an NVL72 kind: one rack of 18 trays x 4). Raises TopologyError, TargetError
-  or KindError with a one-line message."""
+  node of the kind's usual size (an NVL72 kind: one rack of 18 trays x 4); a TPU kind goes to
+  `resolve_tpu_target`. Raises TopologyError, TargetError or KindError with a one-line message."""
+  if is_tpu_target(kind):
+    return resolve_tpu_target(kind, topology, nodes_per_rack)
   spec = gpu_kinds.target(kind)
   if topology is None:
     per_rack = nodes_per_rack or spec.nodes_per_rack
@@ -124,7 +173,7 @@ def describe(mesh, hosts: list[str]) -> dict[str, Any]:
       "process_count": jax.process_count(),
       "device_count": len(devs),
       "mesh": {"axes": list(mesh.axis_names), "shape": list(mesh.devices.shape),
-               "device_ids": [[[d.id for d in row] for row in plane] for plane in mesh.devices]},
+               "device_ids": np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices).tolist()},
       "processes": [procs[k] for k in sorted(procs)],
   }
 

@@ -289,10 +289,92 @@ def while_loops(hlo_text: str, comps: dict[str, Computation] | None = None) -> l
       if ins is None or ins.opcode != "while":
         continue
       called = dict(_CALLEE.findall(ins.rest))
-      trip = _TRIP.search(ins.rest)
       out.append(WhileLoop(comp.name, called.get("body", ""), called.get("condition", ""),
-                           int(trip.group(1)) if trip else None, line.strip()))
+                           loop_trip_count(ins, comp, comps), line.strip()))
   return out
+
+
+def _defs(comp: Computation) -> dict[str, Instr]:
+  out = {}
+  for line in comp.lines:
+    ins = parse_instruction(line)
+    if ins is not None:
+      out[ins.name] = ins
+  return out
+
+
+def _operands(ins: Instr) -> list[str]:
+  """The instruction's operand names (the `%name`s before its attributes)."""
+  depth, end = 0, len(ins.rest)
+  for i, ch in enumerate(ins.rest):  # the operand list ends at the `)` matching the opcode's `(`
+    depth += ch == "("
+    if ch == ")":
+      if depth == 0:
+        end = i
+        break
+      depth -= 1
+  return re.findall(r"%([\w.\-]+)", ins.rest[:end])
+
+
+def _constant(name: str, defs: dict[str, Instr]) -> int | None:
+  """The integer a scalar resolves to through copies and bitcasts, None when it is not a constant."""
+  for _ in range(8):
+    ins = defs.get(name)
+    if ins is None:
+      return None
+    if ins.opcode == "constant":
+      m = re.match(r"\s*(-?\d+)\)", ins.rest)
+      return int(m.group(1)) if m else None
+    if ins.opcode not in ("copy", "bitcast", "convert") or not _operands(ins):
+      return None
+    name = _operands(ins)[0]
+  return None
+
+
+def _induction(comp: Computation, index: int) -> int | None:
+  """The step a loop body adds to tuple element `index` (add(gte(param, index), constant)), else None."""
+  defs = _defs(comp)
+  root = next((parse_instruction(l) for l in comp.lines if l.strip().startswith("ROOT")), None)
+  ops = _operands(root) if root is not None and root.opcode == "tuple" else []
+  if index >= len(ops) or ops[index] not in defs or defs[ops[index]].opcode != "add":
+    return None
+  a, b = (_operands(defs[ops[index]]) + [None, None])[:2]
+  for x, y in ((a, b), (b, a)):
+    g = defs.get(x)
+    if g is not None and g.opcode == "get-tuple-element" and f"index={index}" in g.rest:
+      return _constant(y, defs)
+  return None
+
+
+def loop_trip_count(ins: Instr, caller: Computation, comps: dict[str, Computation]) -> int | None:
+  """A while loop's trip count: XLA's known_trip_count where the compiler kept it (XLA:CPU, XLA:GPU), else
+  read from the loop itself (XLA:TPU's optimised HLO drops the annotation): a condition `i < N` on a tuple
+  element that starts at a constant and that the body steps by a constant. None when neither says."""
+  known = trip_count(ins)
+  if known is not None:
+    return known
+  called = dict(_CALLEE.findall(ins.rest))
+  cond = comps.get(called.get("condition", ""))
+  body = comps.get(called.get("body", ""))
+  if cond is None or body is None:
+    return None
+  cdefs = _defs(cond)
+  root = next((parse_instruction(l) for l in cond.lines if l.strip().startswith("ROOT")), None)
+  if root is None or root.opcode != "compare" or "direction=LT" not in root.rest:
+    return None
+  lhs, rhs = (_operands(root) + [None, None])[:2]
+  gte, limit = cdefs.get(lhs), _constant(rhs, cdefs)
+  m = re.search(r"index=(\d+)", gte.rest) if gte is not None and gte.opcode == "get-tuple-element" else None
+  if m is None or limit is None:
+    return None
+  index = int(m.group(1))
+  init = _defs(caller).get((_operands(ins) or [""])[0])
+  start = _constant(_operands(init)[index], _defs(caller)) if init is not None and init.opcode == "tuple" and len(
+      _operands(init)) > index else None
+  step = _induction(body, index)
+  if start is None or not step or step < 0:
+    return None
+  return max(0, -(-(limit - start) // step))
 
 
 def trip_count(ins: Instr) -> int | None:
@@ -325,10 +407,10 @@ def _calls(comps: dict[str, Computation]) -> list[tuple[str, str, str, int | Non
       ins = parse_instruction(line)
       if ins is None:
         continue
-      trip = _TRIP.search(ins.rest) if ins.opcode == "while" else None
+      trip = loop_trip_count(ins, comp, comps) if ins.opcode == "while" else None
       for kind, callee in callees(ins):
         if kind != "condition":
-          out.append((comp.name, kind, callee, int(trip.group(1)) if kind == "body" and trip else None))
+          out.append((comp.name, kind, callee, trip if kind == "body" else None))
   return out
 
 
@@ -450,3 +532,69 @@ def placed_lines(hlo_text: str) -> tuple[list[Placed], list[Loop]]:
     placed.extend(Placed(line, name, n, loop_of[name]) for line in comp.lines)
   loops = [Loop(body, trip, visit(body) // (trip or 1)) for body, trip in trips.items() if body in comps]
   return placed, loops
+
+
+# A collective across TPU slices is not an HLO collective: XLA:TPU sends it to the Megascale runtime, which
+# moves it over the data-center network, as a host-transfer `send` (and its `recv`) whose frontend attributes
+# name the collective (`_xla_megascale_transfer_type`) and its reduction.
+MEGASCALE_OPS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                 "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
+_MEGASCALE_SEND = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\ssend\((?P<rest>.*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class DcnTransfer:
+  """One collective across slices as XLA:TPU hands it to the Megascale runtime (its `send`; the `recv` pairs)."""
+  transfer: str          # ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, ONE_TO_ONE (or what libtpu says)
+  op: str                # the HLO collective it stands for ("" when the transfer type is not one of those)
+  reduction: str | None  # SUM, MAX ... for reductions
+  elements: int          # elements the send carries per device
+  element_types: tuple[str, ...]
+  computation: str
+  line: str
+
+
+def megascale_transfers(hlo_text: str) -> list[DcnTransfer]:
+  """Every Megascale (DCN) collective of a module: host-transfer sends handled by `xla_megascale_runtime`."""
+  out = []
+  for comp in computations(hlo_text).values():
+    for line in comp.lines:
+      m = _MEGASCALE_SEND.match(line)
+      if not m or "xla_megascale_runtime" not in m.group("rest"):
+        continue
+      kind = re.search(r'_xla_megascale_transfer_type="?(\w+)', m.group("rest"))
+      red = re.search(r'_xla_megascale_reduce_operation="?(\w+)', m.group("rest"))
+      parts = split_tuple(m.group("type")) or [m.group("type")]
+      types, elements = result_arrays(parts[0])
+      transfer = kind.group(1) if kind else "UNKNOWN"
+      out.append(DcnTransfer(transfer, MEGASCALE_OPS.get(transfer, ""), red.group(1) if red else None, elements,
+                             tuple(types), comp.name, line.strip()))
+  return out
+
+
+_ALGO = re.compile(r'"collective_algorithm_config"\s*:\s*\{')
+
+
+def algorithm_config(line: str) -> dict[str, object] | None:
+  """The algorithm XLA:TPU chose for a collective, from its backend_config's `collective_algorithm_config`:
+  the emitter (`RotatedPincerShortEmitter`, `SinglePhaseRingSumEmitter`, `AllToAllEmitter` ...), the strategy
+  (`StrategyND`) and, from its debug text, the torus dimension sizes it runs over (`dim_sizes`) and which of
+  them it uses (`active_dims`, one digit per dimension). None when the line has no such config (XLA:GPU/CPU)."""
+  m = _ALGO.search(line)
+  if not m:
+    return None
+  body = line[m.end():]  # its debug text holds braces of its own: the keys are read in order from here
+  end = re.search(r'\}\s*,\s*"(?!debug)\w+"\s*:', body)  # the next backend_config field after the config
+  body = body[:end.start()] if end else body
+  out: dict[str, object] = {}
+  for key in ("emitter", "strategy"):
+    v = re.search(rf'"{key}"\s*:\s*"([^"]*)"', body)
+    if v:
+      out[key] = v.group(1)
+  sizes = re.search(r"dim_sizes:([\d,]+)", body)
+  if sizes:
+    out["dim_sizes"] = [int(v) for v in sizes.group(1).split(",") if v]
+  active = re.search(r"active_dims:(\d+)", body)
+  if active:
+    out["active_dims"] = active.group(1)
+  return out or None

@@ -50,6 +50,12 @@ def _compiled_row(r: dict[str, Any]) -> str:
     where = f" x{r['iters']} ({r['loop_reps']} in a loop of {r['trip_count']} known trips)"
   mem = r.get("memory_bytes")
   text = f"compiled: {ops}{where}, wire {r.get('wire_dtype', '?')}{_command_buffer_text(r)}"
+  if r.get("written_as"):  # XLA:TPU's own form of the op
+    text += f" ({r['written_as']})"
+  if r.get("algorithm"):  # the algorithm XLA:TPU chose
+    a = r["algorithm"]
+    dims = f" over {'x'.join(map(str, a['dim_sizes']))} dims {a.get('active_dims', '?')}" if a.get("dim_sizes") else ""
+    text += f", {'/'.join(v for v in (a.get('emitter'), a.get('strategy')) if v)}{dims}"
   if mem is not None:
     text += f", {mem / 2**20:.1f} MiB/device"
   if r.get("fits") is False:

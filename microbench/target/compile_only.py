@@ -156,12 +156,17 @@ def mem_fraction() -> float:
   return value if 0 < value <= 1 else DEFAULT_MEM_FRACTION
 
 
-def fit(total_bytes: int, memory_bytes: int) -> dict[str, Any]:
+TPU_MEM_FRACTION = 1.0  # JAX on TPU preallocates nothing: XLA:TPU's allocator has the whole HBM it reports
+
+
+def fit(total_bytes: int, memory_bytes: int, fraction: float | None = None) -> dict[str, Any]:
   """Whether a program needing `total_bytes` per device fits what JAX gets of a device of `memory_bytes`
-  (mem_fraction() of it), with the margin; `fits_whole_device` says whether it would with all of it."""
-  usable = int(memory_bytes * mem_fraction())
+  (`fraction` of it, by default mem_fraction(): a GPU's), with the margin; `fits_whole_device` says whether it
+  would with all of it."""
+  fraction = mem_fraction() if fraction is None else fraction
+  usable = int(memory_bytes * fraction)
   return {"fits": total_bytes <= usable, "device_memory_bytes": memory_bytes, "usable_bytes": usable,
-          "mem_fraction": mem_fraction(), "margin_bytes": usable - total_bytes,
+          "mem_fraction": fraction, "margin_bytes": usable - total_bytes,
           "fits_whole_device": total_bytes <= memory_bytes,
           "memory_used_pct": 100.0 * total_bytes / usable if usable else None}
 

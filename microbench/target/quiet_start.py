@@ -30,8 +30,8 @@ def plugin_installed() -> bool:
 
 
 @contextlib.contextmanager
-def filtered_stderr():
-  """File descriptor 2 captured for the block; its lines other than the known chatter are written back."""
+def filtered_stderr(chatter: tuple[str, ...] = CHATTER):
+  """File descriptor 2 captured for the block; its lines other than the known `chatter` are written back."""
   sys.stderr.flush()
   saved = os.dup(2)
   with tempfile.TemporaryFile() as tmp:
@@ -44,7 +44,7 @@ def filtered_stderr():
       os.close(saved)
       tmp.seek(0)
       kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-              if not any(c in line for c in CHATTER)]
+              if not any(c in line for c in chatter)]
       if kept:
         sys.stderr.write("".join(kept))
         sys.stderr.flush()
