@@ -97,6 +97,7 @@ def netns_problem() -> str | None:
 #   cluster      needs root and Debian's slurm-wlm / munge / Open MPI: the emulated cluster, SLURM, mpirun.
 #                Derived from the test's own skip condition, so a new test of that kind is marked by itself.
 #   gpu_compile  needs the gpu-compile extra (XLA:GPU through JAX's CUDA plugin); always slow too.
+#   tpu_compile  needs the tpu-compile extra (XLA:TPU through libtpu); always slow too.
 #   slow         end-to-end runs, multi-process launches, exhaustive property tests, GPU-target compiles:
 #                the tests below: every test function that took 4 s or more (all its parameters together) in
 #                a --durations run of the whole suite on the 2-core VM, but for one end-to-end test per command
@@ -216,6 +217,7 @@ SLOW = (
 )
 _CLUSTER_REASONS = ("emulated cluster", "testbed cannot run", "SLURM", "mpirun", "needs root")
 _PLUGIN_REASONS = ("CUDA PJRT plugin",)
+_LIBTPU_REASONS = ("libtpu is not installed",)
 
 
 def _skip_reasons(item) -> str:
@@ -230,6 +232,9 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.cluster)
     if any(r in reasons for r in _PLUGIN_REASONS) or "gpu_mesh" in getattr(item, "fixturenames", ()):
       item.add_marker(pytest.mark.gpu_compile)
+      item.add_marker(pytest.mark.slow)
+    if any(r in reasons for r in _LIBTPU_REASONS):
+      item.add_marker(pytest.mark.tpu_compile)
       item.add_marker(pytest.mark.slow)
     if item.nodeid.split("[")[0] in SLOW:  # the test function, whatever its parameters
       item.add_marker(pytest.mark.slow)

@@ -183,7 +183,7 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
       # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
       # In place, the one-operation program is read too: whether XLA ran the op in its input's buffer.
       copy_limit=message if timed or coll.inplace else None,
-      widen_ok=platform == "cpu", exempt_scope=DIGEST_SCOPE if timed and platform == "cpu" else None,
+      widen_ok=platform == "cpu", exempt_scope=DIGEST_SCOPE if timed and platform in ("cpu", "tpu") else None,
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
@@ -262,7 +262,7 @@ def carry_counts(coll: Collective, in_count: int, out_count: int, dtype: str, pl
 
 DIGEST_MUL = 0x01000193  # odd: acc -> acc x MUL + d is a bijection mod 2^32, so no later digest undoes a wrong one
 _GOLDEN = 0x9E3779B9
-DIGEST_SCOPE = "microbench_digest"  # names the digest's instructions in the HLO (hlo_check's CPU exemption)
+DIGEST_SCOPE = "microbench_digest"  # names the digest's instructions in the HLO (hlo_check's CPU and TPU exemption)
 
 
 def digest(y: jax.Array) -> jax.Array:

@@ -1,0 +1,324 @@
+"""TPU pods without a TPU (`--target=v5p|v5e|v6e`): kinds as data, slices and their scopes, XLA:TPU's forms in
+the HLO check (loops without an annotated trip count, all-gather and reduce-scatter written as all-reduces,
+on-chip staging, Megascale DCN transfers across slices), the algorithm XLA:TPU chose.
+
+Tests that compile need libtpu (the `tpu-compile` extra, which .ci/run installs) and skip with that reason when
+it is absent; the rest read fake device lists and HLO text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from meshes import tpu_slice
+from meshes.scopes import plan_scopes
+from microbench.bench import collectives, hlo_check, program
+from microbench.fabric import tpu_kinds
+from microbench.hlo import parse
+from microbench.target import tpu_compile_only
+
+needs_libtpu = pytest.mark.skipif(not tpu_compile_only.libtpu_available(),
+                                  reason="libtpu is not installed: pip install -e '.[tpu-compile]'")
+
+
+# ------------------------------------------------------------------------------------------------ kinds as data
+
+def test_every_tpu_kind_names_a_source_for_every_figure():
+  kinds = tpu_kinds.kinds()
+  assert set(tpu_kinds.targets()) == {"v5e", "v5p", "v6e"}
+  for kind in kinds.values():
+    assert set(kind.sources) == set(kind.figures()), kind.name
+    assert all(kind.source(f).strip() for f in kind.figures())
+    assert kind.memory_source.startswith(tpu_kinds.MEMORY_PROVENANCE)
+  # the per-chip ICI figures the datasheets give, from ports x directions x one port's rate
+  assert kinds["v5p"].ici_ports * 2 * kinds["v5p"].ici_link_gbytes == 1200  # GB/s bidirectional per chip
+  assert kinds["v5e"].ici_ports * 2 * kinds["v5e"].ici_link_gbytes == 400
+  assert kinds["v6e"].ici_ports * 2 * kinds["v6e"].ici_link_gbytes == 800
+  assert kinds["v5p"].dcn_gbytes_per_host == 50 * 4 / 8  # 50 Gb/s per chip, 4 chips a host
+
+
+def test_a_spec_without_a_source_is_refused():
+  d = {"peak_cite": "x", "sources": [{"figures": ["torus_dims", "ici_ports", "ici_link_gbytes", "wraparound_from",
+                                                  "chips_per_host", "host_shape"], "cite": "somewhere"}]}
+  with pytest.raises(ValueError, match="without: hbm_gbytes_s"):
+    tpu_kinds._sources("spec.toml", d, "reported: x")  # pylint: disable=protected-access
+  d["sources"].append({"figures": ["hbm_gbytes_s", "torus_dims"], "cite": "again"})
+  with pytest.raises(ValueError, match="cited twice"):
+    tpu_kinds._sources("spec.toml", d, "reported: x")  # pylint: disable=protected-access
+
+
+def test_unknown_and_non_target_kinds_are_one_line_each():
+  with pytest.raises(tpu_kinds.KindError, match="choose one of v5e, v5p, v6e"):
+    tpu_kinds.target("v9x")
+  with pytest.raises(tpu_kinds.KindError, match="TensorCores as devices"):
+    tpu_kinds.target("v4")
+  assert tpu_kinds.is_tpu_name("v5p") and tpu_kinds.is_tpu_name("V7X") and not tpu_kinds.is_tpu_name("h100")
+
+
+@pytest.mark.parametrize("text,kind,want", [
+    ("4x4x4", "v5p", ((4, 4, 4), 1)), ("4x4x8,slices:2", "v5p", ((4, 4, 8), 2)), ("16x16", "v6e", ((16, 16, 1), 1)),
+    (" 2 x 2 , slices = 4 ", "v5e", ((2, 2, 1), 4))])
+def test_slice_shapes_parse(text, kind, want):
+  shape = tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
+  assert (shape.dims, shape.slices) == want
+
+
+@pytest.mark.parametrize("text,kind,match", [
+    ("4x4", "v5p", "3 torus dimensions"), ("4x4x4", "v6e", "2 torus dimensions"), ("nodes:2,gpus:8", "v5p", "e.g. 4x4x4"),
+    ("4x0x4", "v5p", "at least 1"), ("4x4,slices:0", "v5e", "at least 1")])
+def test_bad_slices_are_one_line(text, kind, match):
+  with pytest.raises(tpu_compile_only.TargetError, match=match) as e:
+    tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
+  assert "\n" not in str(e.value)
+
+
+def test_without_libtpu_the_target_says_what_to_install(monkeypatch):
+  monkeypatch.setattr(tpu_compile_only, "libtpu_available", lambda: False)
+  with pytest.raises(tpu_compile_only.TargetError, match=r"pip install -e '.\[tpu-compile\]'"):
+    tpu_compile_only.make_target("v5p", None)
+
+
+# ------------------------------------------------------------------------------ slices and scopes from devices
+
+def _fake_devices(dims, host=(2, 2, 1), slices=1, shuffle=0):
+  """Devices as a TPU VM lists them: torus coords, host (process) and slice, ids in libtpu's order."""
+  out = []
+  hx, hy, hz = host
+  per_slice_hosts = (dims[0] // hx) * (dims[1] // hy) * (dims[2] // hz)
+  for s in range(slices):
+    for z in range(dims[2]):
+      for y in range(dims[1]):
+        for x in range(dims[0]):
+          h = ((z // hz) * (dims[1] // hy) + y // hy) * (dims[0] // hx) + x // hx
+          out.append(types.SimpleNamespace(id=len(out), coords=[x, y, z], slice_index=s,
+                                           process_index=s * per_slice_hosts + h, platform="tpu"))
+  if shuffle:
+    np.random.default_rng(shuffle).shuffle(out)
+  return out
+
+
+def _coords_of(ordered, groups):
+  return [[tuple(ordered[int(p)].coords)[:3] + (tpu_compile_only.slice_of(ordered[int(p)]),) for p in g]
+          for g in groups]
+
+
+def _assert_scopes_follow_the_torus(top, ordered):
+  """Each ici_<d> group is one ring along d in coordinate order; host groups are one host's chips; dcn groups
+  are the same chip of every slice; slice groups are one whole slice."""
+  plans = {p.name: p for p in plan_scopes(top, tpu_slice.SCOPES)}
+  for d, axis in enumerate("xyz"):
+    p = plans[f"ici_{axis}"]
+    if p.skip_reason:
+      continue
+    for g in _coords_of(ordered, p.groups):
+      others = {tuple(c[i] for i in range(4) if i != d) for c in g}
+      assert len(others) == 1 and [c[d] for c in g] == list(range(top.dims[d])), (axis, g)
+  for g in plans["host"].groups:
+    assert len({ordered[int(p)].process_index for p in g}) == 1
+    assert len(g) == np.prod(top.host)
+  if not plans["dcn"].skip_reason:
+    for g in _coords_of(ordered, plans["dcn"].groups):
+      assert len({c[:3] for c in g}) == 1 and [c[3] for c in g] == list(range(top.slices))
+  for g in _coords_of(ordered, plans["slice"].groups):
+    assert len({c[3] for c in g}) == 1 and len(g) == np.prod(top.dims)
+
+
+@pytest.mark.parametrize("dims,host,slices", [((4, 4, 4), (2, 2, 1), 1), ((4, 8, 1), (2, 2, 1), 2),
+                                              ((16, 16, 1), (2, 2, 1), 1), ((2, 2, 1), (2, 2, 1), 3)])
+def test_scopes_follow_the_torus_whatever_order_the_devices_come_in(dims, host, slices):
+  devices = _fake_devices(dims, host, slices, shuffle=7)
+  top, ordered = tpu_slice.slices_from_devices(devices)
+  assert (top.dims, top.host, top.slices) == (dims, host, slices)
+  assert top.total_nodes == len({d.process_index for d in devices})
+  _assert_scopes_follow_the_torus(top, ordered)
+
+
+def test_the_scope_check_catches_a_mapping_by_device_id():
+  """Mutation: devices laid out by id instead of by coordinates put chips of different rings in one group."""
+  devices = _fake_devices((4, 4, 1), shuffle=0)
+  for d, i in zip(devices, np.random.default_rng(3).permutation(len(devices))):
+    d.id = int(i)  # ids no longer follow the torus
+  top, ordered = tpu_slice.slices_from_devices(devices)
+  _assert_scopes_follow_the_torus(top, ordered)
+  by_id = sorted(devices, key=lambda d: d.id)
+  with pytest.raises(AssertionError):
+    _assert_scopes_follow_the_torus(top, by_id)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda ds: ds.pop(), "do not fill"),
+    (lambda ds: setattr(ds[1], "coords", list(ds[0].coords)), "same chip"),
+    (lambda ds: setattr(ds[0], "process_index", ds[-1].process_index), "not an aligned block|tile"),
+    (lambda ds: setattr(ds[0], "coords", []), "no torus coordinates")])
+def test_devices_that_are_not_whole_slices_are_refused_in_one_line(mutate, match):
+  devices = _fake_devices((4, 4, 1))
+  mutate(devices)
+  with pytest.raises(tpu_slice.SliceError, match=match):
+    tpu_slice.slices_from_devices(devices)
+
+
+@needs_libtpu
+@pytest.mark.parametrize("kind,text", [("v5p", "4x4x4"), ("v5e", "4x4,slices:2"), ("v6e", "16x16"),
+                                       ("v5p", "2x4x4,slices:2")])
+def test_scopes_on_libtpus_own_device_lists(kind, text):
+  target = tpu_compile_only.make_target(kind, tpu_compile_only.parse_slice(text, tpu_kinds.target(kind)))
+  top, ordered = tpu_slice.slices_from_devices(target.devices)
+  assert top.dims == target.shape.dims and top.slices == target.shape.slices
+  assert top.host == tuple(tpu_kinds.target(kind).host_shape)  # libtpu's hosts are the kind's VMs
+  assert target.hosts == top.total_nodes
+  _assert_scopes_follow_the_torus(top, ordered)
+
+
+# ---------------------------------------------------------------------------------------- XLA:TPU's HLO forms
+
+_TPU_LOOP = """HloModule m, entry_computation_layout={(f32[64]{0})->f32[64]{0}}, num_partitions=4
+%body (p: (s32[], f32[64], s32[])) -> (s32[], f32[64], s32[]) {
+  %one = s32[]{:T(128)} constant(1)
+  %p = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %next = s32[]{:T(128)} add(%i, %one)
+  %x = f32[64]{0:T(1024)} get-tuple-element(%p), index=1
+  %k = s32[]{:T(128)} get-tuple-element(%p), index=2
+  %ar = f32[64]{0:T(1024)} all-reduce(%x), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%next, %ar, %k)
+}
+%cond (q: (s32[], f32[64], s32[])) -> pred[] {
+  %limit = s32[]{:T(128)} constant(LIMIT)
+  %q = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) parameter(0)
+  %j = s32[]{:T(128)} get-tuple-element(%q), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%j, %limit), direction=LT
+}
+ENTRY %main (a: f32[64]) -> f32[64] {
+  %zero = s32[]{:T(128)} constant(START)
+  %one.1 = s32[]{:T(128)} constant(1)
+  %a = f32[64]{0:T(1024)} parameter(0)
+  %z = s32[]{:T(128)} copy(%zero)
+  %init = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%z, %a, %one.1)
+  %w = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[64]{0:T(1024)} get-tuple-element(%w), index=1
+}
+"""
+
+
+def _loop(start=0, limit=10):
+  return _TPU_LOOP.replace("START", str(start)).replace("LIMIT", str(limit))
+
+
+def test_a_tpu_loops_trip_count_is_read_from_the_loop_itself():
+  """XLA:TPU's optimised HLO has no known_trip_count: the count comes from `i < N`, i's start and step."""
+  for start, limit, want in ((0, 10, 10), (2, 10, 8), (0, 7, 7)):
+    loops = parse.while_loops(_loop(start, limit))
+    assert [l.trip_count for l in loops] == [want]
+    assert parse.execution_counts(_loop(start, limit))["body"] == want
+  # mutations: a body that does not step the counter, or a condition that is not `i < constant`
+  assert parse.while_loops(_loop().replace("add(%i, %one)", "multiply(%i, %one)"))[0].trip_count is None
+  assert parse.while_loops(_loop().replace("direction=LT", "direction=NE"))[0].trip_count is None
+  exp = hlo_check.Expectation(op="all-reduce", groups=np.array([[0, 1, 2, 3]]), ordered=False, dtype="float32",
+                              elements=64, executions=10, in_loop=True)
+  assert hlo_check.verify(_loop(), exp).in_loop == 10
+  with pytest.raises(hlo_check.HloMismatch, match="runs 9 times per call, expected 10"):
+    hlo_check.verify(_loop(1, 10), exp)
+
+
+def test_algorithm_configs_are_read_with_their_braces():
+  line = ('%ar = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, backend_config={"flag_configs":[],'
+          '"collective_algorithm_config":{"emitter":"RotatedPincerShortEmitter","strategy":"StrategyND","debug":'
+          '"\\nStrategyND{colors:3 cores:{4 4 4},{4 4 4} num_dims:3 active_dims:101 dim_sizes:4,1,4}"},'
+          '"used_scoped_memory_configs":[]}')
+  assert parse.algorithm_config(line) == {"emitter": "RotatedPincerShortEmitter", "strategy": "StrategyND",
+                                          "dim_sizes": [4, 1, 4], "active_dims": "101"}
+  assert parse.algorithm_config("%ar = f32[8]{0} all-reduce(%x), backend_config={}") is None
+
+
+# -------------------------------------------------------------------------------------- compiled for a slice
+
+def _compile_point(kind, text, coll_name, scope, count=65536, reps=None):
+  """A point's check program (or its timed program of `reps`) compiled for the slice, and its expectation."""
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+  top, _, mesh, _ = machine.resolve_target(kind, machine.parse_target_topology(kind, text), None)
+  plan = next(p for p in plan_scopes(top, tpu_slice.SCOPES) if p.name == scope)
+  coll = collectives.get(coll_name)
+  if reps:
+    return program.build_timed(coll, mesh, plan, count, "float32", reps), plan, coll
+  return program.build_check(coll, mesh, plan, count, "float32").check_prog, plan, coll
+
+
+@needs_libtpu
+def test_an_all_gather_over_a_slice_is_checked_in_xla_tpus_all_reduce_form():
+  prog, plan, coll = _compile_point("v5p", "4x4x4", "all_gather", "slice")
+  assert prog.verified.written_as == "all-gather as all-reduce"
+  assert prog.verified.facts()["algorithm"]["strategy"] == "StrategyND"
+  assert prog.verified.facts()["algorithm"]["dim_sizes"] == [4, 4, 4]
+  # mutation: the same program checked against other groups (a scope XLA did not compile) fails
+  exp = program.expectation(coll, plan, 65536, "float32", "tpu", 1, timed=False)
+  wrong = dataclasses.replace(exp, groups=exp.groups.reshape(2, -1))
+  with pytest.raises(hlo_check.HloMismatch, match="expected all-reduce over groups"):
+    hlo_check.verify(prog.hlo_text, wrong)
+
+
+@needs_libtpu
+def test_a_timed_tpu_loop_is_counted_and_its_staging_reported():
+  prog, _, _ = _compile_point("v5p", "4x4x4", "all_reduce", "ici_x", reps=10)
+  v = prog.verified
+  assert v.executions == 10 and v.in_loop >= 8 and v.trip_counts
+  assert v.facts()["algorithm"]["emitter"]  # the algorithm XLA:TPU chose for a ring along x
+  assert "staging_copies" in v.facts()
+
+
+@needs_libtpu
+@pytest.mark.parametrize("coll_name,transfer", [("all_reduce", "ALL_REDUCE"), ("all_gather", "ALL_GATHER"),
+                                                ("all_to_all", "ALL_TO_ALL"), ("ppermute", "ONE_TO_ONE")])
+def test_across_slices_the_collective_is_a_megascale_transfer(coll_name, transfer):
+  prog, plan, coll = _compile_point("v5e", "2x2,slices:2", coll_name, "dcn")
+  v = prog.verified
+  assert v.dcn["types"] == [transfer] and v.dcn["ici_collectives_per_call"] == 0
+  assert v.emitted == (f"megascale-{transfer.lower().replace('_', '-')}",)
+  exp = program.expectation(coll, plan, 65536, "float32", "tpu", 1, timed=False)
+  # mutations: another collective's transfer, one transfer too many, an ICI collective beside it
+  other = "all-to-all" if coll.hlo_op != "all-to-all" else "all-reduce"
+  with pytest.raises(hlo_check.HloMismatch, match="must be one DCN"):
+    hlo_check.verify(prog.hlo_text, dataclasses.replace(exp, op=other, rewrites=()))
+  with pytest.raises(hlo_check.HloMismatch, match="DCN transfers run 1 times per call, expected 2"):
+    hlo_check.verify(prog.hlo_text, dataclasses.replace(exp, executions=2))
+  extra = prog.hlo_text.replace("\nENTRY", "\n%stray (x: f32[8]) -> f32[8] {\n  ROOT %s = f32[8]{0} all-reduce(%x),"
+                           " replica_groups={{0,1}}, to_apply=%add\n}\nENTRY", 1)
+  with pytest.raises(hlo_check.HloMismatch, match="must be one DCN"):
+    hlo_check.verify(extra, exp)
+
+
+@needs_libtpu
+def test_an_ici_scope_of_a_multislice_target_is_checked_on_slice_local_ids():
+  prog, plan, _ = _compile_point("v5e", "2x2,slices:2", "all_reduce", "ici_x")
+  assert plan.slice_devices == 4 and prog.verified.match.groups in (((0, 1), (2, 3)), ((2, 3), (0, 1)))
+
+
+def test_a_tpu_target_refuses_gpu_only_modes_in_one_line():
+  r = run_cli(["--target=v5p", "--command_buffer=yes"])
+  assert r.returncode == 2 and "XLA:TPU" in r.stderr and "Traceback" not in r.stderr
+  r = run_cli(["--target=v5p", "--topology=4x4"])
+  assert r.returncode == 2 and "3 torus dimensions" in r.stderr and "Traceback" not in r.stderr
+  r = run_cli(["--target=v5p", "--scopes=scale_up"])
+  assert r.returncode == 2 and "ici_x" in r.stderr and "Traceback" not in r.stderr
+
+
+@needs_libtpu
+def test_a_sweep_compiles_for_two_v5e_slices_with_every_check_passing(tmp_path):
+  out = tmp_path / "run"
+  r = run_cli(["--target=v5e", "--topology=2x2,slices:2", "--min_bytes=64K", "--max_bytes=64K",
+               f"--outdir={out}"], timeout=600)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  recs = [json.loads(l) for l in open(out / "results.jsonl", encoding="utf-8")]
+  assert recs and all(rec["status"] == "compiled" for rec in recs)
+  scopes = {rec["scope"] for rec in recs}
+  assert scopes == {"host", "ici_x", "ici_y", "dcn", "global"}
+  assert all(rec["dcn"]["types"] for rec in recs if rec["scope"] in ("dcn", "global"))
+  meta = json.loads(open(out / "meta.json", encoding="utf-8").read())
+  assert meta["target"]["slices"] == 2 and meta["target"]["platform"] == "tpu"
+  assert os.path.basename(meta["target"]["spec_file"]) == "v5e.toml"
