@@ -72,10 +72,10 @@ class Expectation:
   # in Verified.copies instead of failing.
   aliased: bool = False
   # XLA:TPU: its memory-space assignment stages operands and results in the chip's on-chip memory (VMEM, memory
-  # space S(1)) with copies from and to HBM, and it copies buffers between layouts around the timed loop: part
-  # of how a TPU runs the program, counted (Verified.staged), not failed, where they happen once per call (the
-  # difference of the short and long timed programs cancels them) or to and from on-chip memory. A copy of the
-  # message in HBM on every repetition still fails.
+  # space S(1)), and around the timed loop it re-tiles buffers (copies, reshapes, transposes) and, for small
+  # all-to-alls, reduces an expanded form of the op's result: counted (Verified.staged), not failed, where they
+  # write into on-chip memory or happen once per call outside the loop (the difference of the short and long
+  # timed programs cancels them). A message-sized write into HBM on every repetition still fails.
   onchip_staging: bool = False
   # Other forms the platform writes the op in, (opcode, elements per device): XLA:TPU writes an all-gather as an
   # all-reduce of a zero-padded buffer and a reduce-scatter as an all-reduce and a slice. Checked as that op over
@@ -377,9 +377,6 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
   return out
 
 
-# XLA:TPU re-tiles a buffer for the op that reads it (a copy, or a reshape or transpose whose layouts differ):
-# outside the timed loop that happens once per call, which the difference of the two timed programs cancels.
-_RELAYOUT = ("copy", "copy-start", "reshape", "transpose", "bitcast-convert")
 _ONCHIP = re.compile(r"\bS\(1\)")  # a layout's memory space 1: XLA:TPU's on-chip vector memory (VMEM)
 
 
@@ -402,12 +399,15 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
   Returns the elements the loop body writes besides the collective, per trip, the copies and the staging copies
   per call."""
   body, copies, staged = 0, None if count_copies is None else 0, None if staging is None else 0
+  results = {c.text.split("=", 1)[0].strip().removeprefix("ROOT").strip().lstrip("%")
+             for c in find_collectives(hlo_text)} if staging is not None else set()
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:
         body += elements
-      if staging is not None and elements >= limit and (_staging_copy(ins) or (
-          name not in in_loops and ins.opcode in _RELAYOUT)):
+      # XLA:TPU re-tiles a small all-to-all's result with a copy of it (the op's own form, as op_writes says)
+      relayout = op_writes and ins.opcode == "copy" and any(f"%{r})" in ins.rest for r in results)
+      if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout):
         staged += staging.get(name) or 1
         continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):

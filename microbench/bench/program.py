@@ -188,9 +188,10 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
       # avg's multiplication by 1/n writes the output once more on every platform: part of the op.
-      # XLA:TPU's masked all-reduce standing in for a broadcast selects the message as XLA:CPU's does.
-      writes_are_the_op=coll.writes_message or platform == "tpu" and op == "all-reduce" and (
-          coll.hlo_op == "collective-broadcast") or platform == "cpu" and (
+      # XLA:TPU's masked all-reduce standing in for a broadcast selects the message as XLA:CPU's does, and its
+      # small all-to-alls re-tile the message around the op (a reshape to [n, count/n, 1] and a reduce back).
+      writes_are_the_op=coll.writes_message or platform == "tpu" and (
+          op == "all-reduce" and coll.hlo_op == "collective-broadcast" or op == "all-to-all") or platform == "cpu" and (
           coll.hlo_op in ("all-to-all", "collective-broadcast", "ragged-all-to-all")
           or dtype in ("bfloat16", "float16", *known_inputs.FP8)),
       aliased=coll.inplace, onchip_staging=platform == "tpu", rewrites=_tpu_rewrites(coll, count, n, platform),

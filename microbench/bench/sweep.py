@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshes.scopes import ScopePlan
-from microbench.bench import collectives, command_buffer, hlo_check, overlap, program
+from microbench.bench import collectives, command_buffer, hlo_check, overlap, program, tpu_peaks
 from microbench.bench.sizes import round_count, sweep
 from microbench.cluster import distributed
 from microbench.fabric import expected as fabric_expected
@@ -554,7 +554,9 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   for bi, ((cname, plan, dtype), counts) in enumerate(zip(blocks, plan_counts)):
     coll = collectives.get(cname)
     family = type(coll).name  # all_reduce for all_reduce_max too: the links bound any operator alike
-    peak = link_peaks.bus_peak(family, plan.axes, extents, peaks)
+    tpu = tpu_peaks.is_tpu_mesh(mesh.axis_names)  # a TPU pod: the torus model's bound, not fabric levels
+    peak = (tpu_peaks.scope_peak(family, plan.name, extents, mesh.devices.flat[0].device_kind) if tpu
+            else link_peaks.bus_peak(family, plan.axes, extents, peaks))
     out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
               f"{plan.group_size}, {coll.impl(platform)}, busbw factor {coll.busbw_factor(plan.group_size):.4g}"
               + (f", link peak {peak:.4g} GB/s busbw" if peak else ""))
@@ -578,6 +580,10 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
                       tuple(reqs[1:]))
       if rec["status"] == "ok":
         rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
+        if tpu:
+          rec["peak_algorithm"] = tpu_peaks.PEAK_ALGORITHM
+      elif rec["status"] == "compiled" and peak:  # what the links would allow the measurement, once it runs
+        rec.update(peak_gbps=peak, peak_algorithm=tpu_peaks.PEAK_ALGORITHM if tpu else link_peaks.ALGORITHMS.get(family))
         if models and plan.name in models:
           rec.update(fabric_expected.point(models[plan.name], family, rec))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 
+from microbench.fabric import torus
+
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
         "collective-broadcast", "ragged-all-to-all")
 OPS = _OPS  # the collective opcodes this reader knows (without -start/-done)
@@ -572,29 +574,18 @@ def megascale_transfers(hlo_text: str) -> list[DcnTransfer]:
   return out
 
 
-_ALGO = re.compile(r'"collective_algorithm_config"\s*:\s*\{')
-
-
 def algorithm_config(line: str) -> dict[str, object] | None:
-  """The algorithm XLA:TPU chose for a collective, from its backend_config's `collective_algorithm_config`:
-  the emitter (`RotatedPincerShortEmitter`, `SinglePhaseRingSumEmitter`, `AllToAllEmitter` ...), the strategy
-  (`StrategyND`) and, from its debug text, the torus dimension sizes it runs over (`dim_sizes`) and which of
-  them it uses (`active_dims`, one digit per dimension). None when the line has no such config (XLA:GPU/CPU)."""
-  m = _ALGO.search(line)
+  """The algorithm XLA:TPU chose for a collective, from its backend_config's `collective_algorithm_config`: the
+  emitter (`RotatedPincerShortEmitter`, `1DAllGatherOnMajorDim` ...), the strategy (`StrategyND`) and, where its
+  debug text says, the torus dimension sizes it runs over (`dim_sizes`), which it uses (`active_dims`, a digit
+  per dimension) and its colours (microbench.fabric.torus reads the text). None on XLA:GPU and XLA:CPU."""
+  alg = torus.parse_xla_algorithm(line)
+  if alg is not None:
+    out = {"emitter": alg.emitter, "strategy": alg.strategy, "dim_sizes": list(alg.dim_sizes),
+           "active_dims": alg.active_dims, "colors": alg.colors}
+    return {k: v for k, v in out.items() if v not in (None, "", [])}
+  m = re.search(r'"collective_algorithm_config"\s*:\s*\{([^{}]*)\}', line)  # a config without debug text
   if not m:
     return None
-  body = line[m.end():]  # its debug text holds braces of its own: the keys are read in order from here
-  end = re.search(r'\}\s*,\s*"(?!debug)\w+"\s*:', body)  # the next backend_config field after the config
-  body = body[:end.start()] if end else body
-  out: dict[str, object] = {}
-  for key in ("emitter", "strategy"):
-    v = re.search(rf'"{key}"\s*:\s*"([^"]*)"', body)
-    if v:
-      out[key] = v.group(1)
-  sizes = re.search(r"dim_sizes:([\d,]+)", body)
-  if sizes:
-    out["dim_sizes"] = [int(v) for v in sizes.group(1).split(",") if v]
-  active = re.search(r"active_dims:(\d+)", body)
-  if active:
-    out["active_dims"] = active.group(1)
+  out = {k: v.group(1) for k in ("emitter", "strategy") if (v := re.search(rf'"{k}"\s*:\s*"([^"]*)"', m.group(1)))}
   return out or None
