@@ -397,3 +397,40 @@ def test_the_default_sweep_compiles_for_a_tpu_slice_with_every_check_passing(tmp
       assert t.op, (path, t.line[:200])
       transfers += 1
   assert loops >= len(recs) and (transfers > 0) == (target == "v5e")
+
+
+# ------------------------------------------------------------------------------ the study's schedule from TPU HLO
+
+@needs_libtpu
+def test_study_schedule_derived_from_tpu_hlo():
+  """`microbench-study schedule --target=v5e`: the proxy's collectives as XLA:TPU compiles them (the FSDP
+  gradient's reduce-scatter is an all-reduce there), its loops counted though XLA:TPU drops their trip-count
+  annotation, the compute timed on the chip's own roofline; a pipeline's stage transfers found."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+
+  def schedule(proxy_from: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
+                           f"--proxy_from={proxy_from}", "--gpus=8", "--target=v5e", *extra], capture_output=True,
+                          text=True, timeout=300, env=clean_env(), cwd=ROOT)
+  r = schedule("gpt2-tiny,fsdp")
+  assert r.returncode == 0, r.stderr[-2000:]
+  out = json.loads(r.stdout)
+  assert out["proxy"]["meta"]["platform"] == "tpu" and out["proxy"]["meta"]["gpu"] == "V5E"
+  derived = out["comparison"]["derived"]["bytes_rank0"]
+  assert derived.get("all_gather", 0) > 0 and derived.get("all_reduce", 0) > 0
+  assert out["proxy"]["meta"]["hlo_notes"]["unknown_trip_counts"] == 0
+  piped = schedule("gpt2-tiny,dp+pp")
+  assert piped.returncode == 0, piped.stderr[-2000:]
+  assert json.loads(piped.stdout)["comparison"]["derived"]["bytes_rank0"].get("permute", 0) > 0
+  r = schedule("gpt2-tiny,fsdp", "--gpus=6")
+  assert r.returncode == 2 and "multiple of 4" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_counter_copied_before_its_step_is_still_read():
+  """XLA:TPU copies a scan's counter into another memory space before adding 1 (a training step's backward
+  loop): the count is still read through the copy."""
+  copied = _loop().replace("%next = s32[]{:T(128)} add(%i, %one)",
+                           "%ic = s32[]{:T(128)S(6)} copy(%i)\n  %next = s32[]{:T(128)} add(%ic, %one)")
+  assert [l.trip_count for l in parse.while_loops(copied)] == [10]

@@ -14,7 +14,7 @@ from absl import app, flags
 
 from meshes.scopes import plan_scopes
 from meshes.topology import Topology, TopologyError
-from microbench.bench import command_buffer, sizes, sweep
+from microbench.bench import command_buffer, sizes, sweep, tpu_peaks
 from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
 from microbench.fabric import expected
@@ -134,7 +134,9 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
     raise app.UsageError(str(e)) from None
   models: dict[str, expected.ScopeModel] = {}
-  if not target:  # what the fabric model expects of each scope's points (nothing is measured for a target)
+  # The fabric model's expectations describe GPU fabrics; a TPU pod's bound is the torus model's peak per scope.
+  expects = not target and not tpu_peaks.is_tpu_mesh(mesh.axis_names)
+  if expects:  # what the fabric model expects of each scope's points (nothing is measured for a target)
     found = expected.machine(cfg.fabric, mesh.devices.flat[0].device_kind, mesh.devices.flat[0].platform,
                              topology.gpus)
     models = {p.name: expected.scope_model(found.fabric, found.source, p.groups, topology.shape)
@@ -154,7 +156,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "link_peaks": link_peaks.describe(peaks),
       "fabric": fab.describe() if fab else None,
       "expected": {**found.describe(), "low_ratio": expected.LOW_RATIO,
-                   "scopes": {name: m.describe() for name, m in models.items()}} if not target else None,
+                   "scopes": {name: m.describe() for name, m in models.items()}} if expects else None,
       "target": target.describe() if target else None,
       "environment": environment.capture(hosts) if out.enabled else None,
   }
@@ -174,7 +176,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   for line in environment.header(meta["environment"]) if out.enabled else []:
     out.print(line)
   out.print(f"# {note}")
-  if not target:
+  if expects:
     out.print(expected.summary_line(found))
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
   if resumed:

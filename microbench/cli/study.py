@@ -217,9 +217,20 @@ def _proxy() -> int:
 
 
 def _target_devices(kind: str, gpus: int) -> list:
-  """`gpus` compile-only devices of GPU kind `kind`, in hosts of the kind's usual node size."""
+  """`gpus` compile-only devices of GPU kind `kind`, in hosts of the kind's usual node size; for a TPU kind,
+  `gpus` chips as the most cube-like slice its hosts tile (64 v5p chips: 4x4x4), in the pod's mesh order."""
   from microbench.fabric import gpu_kinds  # pylint: disable=g-import-not-at-top
   from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+  if machine.is_tpu_target(kind):
+    from meshes import tpu_slice  # pylint: disable=g-import-not-at-top
+    from microbench.fabric import tpu_kinds  # pylint: disable=g-import-not-at-top
+    from microbench.target import tpu_compile_only  # pylint: disable=g-import-not-at-top
+    try:
+      target = tpu_compile_only.make_target(kind, tpu_compile_only.slice_for(tpu_kinds.target(kind), gpus))
+      return tpu_slice.slices_from_devices(target.devices)[1]
+    except (tpu_compile_only.TargetError, tpu_kinds.KindError, tpu_slice.SliceError) as e:
+      raise app.UsageError(str(e)) from None
   try:
     per_host = min(gpus, gpu_kinds.target(kind).gpus_per_node)
     if gpus % per_host:

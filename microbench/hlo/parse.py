@@ -343,6 +343,10 @@ def _induction(comp: Computation, index: int) -> int | None:
   a, b = (_operands(defs[ops[index]]) + [None, None])[:2]
   for x, y in ((a, b), (b, a)):
     g = defs.get(x)
+    for _ in range(8):  # XLA:TPU may copy the counter (into another memory space) before stepping it
+      if g is None or g.opcode not in ("copy", "bitcast") or not _operands(g):
+        break
+      g = defs.get(_operands(g)[0])
     if g is not None and g.opcode == "get-tuple-element" and f"index={index}" in g.rest:
       return _constant(y, defs)
   return None

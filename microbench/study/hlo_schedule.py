@@ -122,6 +122,8 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
       if ins is not None:
         comps[name].append(_Line(ins, next(iter(hlo.instructions(line)), None), tuple(hlo.callees(ins))))
   notes: dict = {"loops": [], "unknown_trip_counts": 0}
+  # each loop's trip count: XLA's annotation, or (XLA:TPU drops it) read from the loop's counter
+  trips = {loop.body: loop.trip_count for loop in hlo.while_loops(text)}
   s_count = 0 if pipeline is None else int(pipeline.table.shape[1])
 
   def collective(ins: hlo.Instruction, name: str) -> Event:
@@ -163,7 +165,7 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
         continue
       if opcode == "while":
         body = next(iter(called(ln, "body")), None)
-        count = hlo.trip_count(ln.ins)
+        count = trips.get(body, hlo.trip_count(ln.ins))
         if (pipeline is not None and tick is None and body and count == pipeline.ticks
                 and sum(1 for b in comps.get(body, []) if b.ins.opcode == "conditional") >= 2):
           per_tick = [walk(body, depth + 1, t, note=t == 0) for t in range(count)]
@@ -346,7 +348,15 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
     raise ValueError(f"--proxy_from={proxy_from}: {e}") from None
   trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0,
                     execution=p.execution())
-  compiled, _ = compile_only.compile_for_target(trainer.compile_step, compiler_options)  # deviceless GEMM tiling
+  try:
+    compiled, _ = compile_only.compile_for_target(trainer.compile_step, compiler_options)  # deviceless GEMM tiling
+  except Exception as e:  # pylint: disable=broad-except
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    # XLA:TPU refuses a program larger than the chip's HBM (XLA:GPU compiles it and the fit says no)
+    raise ValueError(f"--proxy_from={proxy_from}: XLA:TPU does not compile a step larger than the chip's memory"
+                     f" ({str(e).strip().splitlines()[0][:200]}); derive the schedule from fewer --layers (the"
+                     " per-layer collectives are the same) or a smaller --batch") from None
   text = compiled.as_text()
   ticks = None
   if p.stages > 1:

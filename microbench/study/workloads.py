@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from microbench.fabric import gpu_kinds
+from microbench.fabric import gpu_kinds, tpu_kinds
 
 BF16_BYTES = 2  # the study's element size (s in the roofline, and what NCCL sends)
 LOCAL_BATCH = 16  # B: the study's per-rank batch (its tables are for B=16)
@@ -45,6 +45,8 @@ def _from_kinds() -> dict[str, Gpu]:
       out[name] = CALIBRATION[name]
     elif kind.xla and "memory_bandwidth" in kind.xla:
       out[name] = Gpu(name, kind.bf16_tflops * 1e12, float(kind.xla["memory_bandwidth"]))
+  for tpu in tpu_kinds.kinds().values():  # a TPU chip's roofline: its bf16 peak and HBM bandwidth
+    out[tpu.name.upper()] = Gpu(tpu.name.upper(), tpu.bf16_tflops * 1e12, tpu.hbm_gbytes_s * 1e9)
   return out
 
 

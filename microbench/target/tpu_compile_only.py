@@ -83,6 +83,27 @@ def parse_slice(text: str, kind: TpuKind) -> SliceShape:
   return SliceShape(tuple(dims), slices)
 
 
+def slice_for(kind: TpuKind, chips: int) -> SliceShape:
+  """The most cube-like slice of `chips` chips the kind's hosts tile (sides along x and y multiples of the host
+  block): the shape a job of that many chips is usually given (64 v5p chips: 4x4x4; 256 v6e: 16x16)."""
+  hx, hy, _ = kind.host_shape
+  best = None
+  for x in range(hx, chips + 1, hx):
+    for y in range(hy, chips // x + 1, hy):
+      z, rest = divmod(chips, x * y)
+      if rest or (kind.torus_dims == 2 and z != 1):
+        continue
+      sides = sorted((x, y, z)[:kind.torus_dims])
+      score = (sides[-1] / sides[0], (x, y, z))
+      if best is None or score < best[0]:
+        best = (score, (x, y, z))
+  if best is None:
+    raise TargetError(f"{chips} chips are not a slice of {kind.title} hosts of"
+                      f" {'x'.join(map(str, kind.host_shape[:kind.torus_dims]))}: give a multiple of"
+                      f" {kind.chips_per_host}")
+  return SliceShape(best[1], 1)
+
+
 def default_slice(kind: TpuKind) -> SliceShape:
   """One host's chips: the smallest slice of the kind (2x2x1 on v5p, 2x2 on v5e and v6e)."""
   return SliceShape(tuple(kind.host_shape), 1)
@@ -144,5 +165,5 @@ def make_target(name: str, shape: SliceShape | None) -> TpuTarget:
   return TpuTarget(kind, shape, tuple(topo.devices))
 
 
-__all__ = ["TpuTarget", "SliceShape", "TargetError", "KindError", "make_target", "parse_slice", "default_slice",
+__all__ = ["TpuTarget", "SliceShape", "TargetError", "KindError", "make_target", "parse_slice", "default_slice", "slice_for",
            "libtpu_available", "INSTALL_HINT", "slice_of"]
