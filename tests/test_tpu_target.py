@@ -434,3 +434,30 @@ def test_a_counter_copied_before_its_step_is_still_read():
   copied = _loop().replace("%next = s32[]{:T(128)} add(%i, %one)",
                            "%ic = s32[]{:T(128)S(6)} copy(%i)\n  %next = s32[]{:T(128)} add(%ic, %one)")
   assert [l.trip_count for l in parse.while_loops(copied)] == [10]
+
+
+def test_on_a_tpu_vm_the_machine_is_read_from_the_chips(monkeypatch):
+  """At run time on TPUs the slices come from the devices themselves (coords, slice, host), and a GPU
+  --topology is refused in one line."""
+  from microbench.cluster import distributed, machine  # pylint: disable=g-import-not-at-top
+  devices = _fake_devices((4, 4, 1), slices=2, shuffle=5)
+  monkeypatch.setattr(machine, "ordered_devices", lambda: list(devices))
+  monkeypatch.setattr(distributed, "process_hosts", lambda: [f"h{i}" for i in range(8)])
+  monkeypatch.setattr(tpu_slice, "build_mesh", lambda top, ordered: ("mesh", top, ordered))
+  top, (_, _, ordered), note = machine.resolve(None, None)
+  assert (top.dims, top.slices) == ((4, 4, 1), 2) and "coordinates" in note
+  _assert_scopes_follow_the_torus(top, ordered)
+  with pytest.raises(machine.TopologyError, match="read from the chips"):
+    machine.resolve(machine.parse_topology("nodes:2,gpus:8"), None)
+
+
+def test_a_copy_out_of_on_chip_memory_is_staging_and_an_hbm_copy_is_not():
+  exp = hlo_check.Expectation(op="all-reduce", groups=np.array([[0, 1, 2, 3]]), ordered=False, dtype="float32",
+                              elements=64, executions=10, in_loop=True, copy_limit=64, onchip_staging=True)
+  body = _loop().replace(
+      "  ROOT %t = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%next, %ar, %k)",
+      "  %src = f32[64]{0:T(1024)SRC} bitcast(%ar)\n  %back = f32[64]{0:T(8,128)} copy(%src)\n"
+      "  ROOT %t = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%next, %back, %k)")
+  assert hlo_check.verify(body.replace("SRC", "S(1)"), exp).staged == 10
+  with pytest.raises(hlo_check.HloMismatch, match="loop body writes 64 elements"):
+    hlo_check.verify(body.replace("SRC", ""), exp)

@@ -381,10 +381,20 @@ _ONCHIP = re.compile(r"\bS\(1\)")  # a layout's memory space 1: XLA:TPU's on-chi
 
 
 def _staging_copy(ins: parse.Instr) -> bool:
-  """An instruction whose result (or a copy's source) lives in on-chip memory: XLA:TPU staging a buffer between
-  HBM and VMEM (copies, async slices, its `ConcatBitcast` of staged pieces). VMEM is not the HBM traffic the
+  """An instruction whose result lives in on-chip memory: XLA:TPU staging a buffer between HBM and VMEM
+  (copies, async slices, its `ConcatBitcast` of staged pieces; a copy out of VMEM is `_from_onchip`). VMEM is not the HBM traffic the
   write check guards against; these writes are counted and reported instead."""
   return bool(_ONCHIP.search(ins.type_text))
+
+
+def _from_onchip(ins: parse.Instr, comp: parse.Computation) -> bool:
+  """A copy out of on-chip memory: its operand (through bitcasts) lives in VMEM (S(1)), the copy writes it back
+  to HBM in another tiling: XLA:TPU's staging, the other way."""
+  if ins.opcode not in ("copy", "copy-start"):
+    return False
+  defs = {d.name: d for d in map(parse.parse_instruction, comp.lines) if d is not None}
+  src = defs.get((parse.instruction_operands(ins) or [""])[0])
+  return src is not None and bool(_ONCHIP.search(src.type_text))
 
 
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
@@ -399,15 +409,21 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
   Returns the elements the loop body writes besides the collective, per trip, the copies and the staging copies
   per call."""
   body, copies, staged = 0, None if count_copies is None else 0, None if staging is None else 0
-  results = {c.text.split("=", 1)[0].strip().removeprefix("ROOT").strip().lstrip("%")
-             for c in find_collectives(hlo_text)} if staging is not None else set()
+  results, feeds = set(), set()  # the collectives' results and operands (XLA:TPU re-tiles both around them)
+  for c in find_collectives(hlo_text) if staging is not None else ():
+    ins = parse.parse_instruction(c.text)
+    if ins is not None:
+      results.add(ins.name)
+      feeds.update(parse.instruction_operands(ins))
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:
         body += elements
-      # XLA:TPU re-tiles a small all-to-all's result with a copy of it (the op's own form, as op_writes says)
-      relayout = op_writes and ins.opcode == "copy" and any(f"%{r})" in ins.rest for r in results)
-      if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout):
+      # XLA:TPU re-tiles an all-to-all's operand or result with a copy (the op's own form, as op_writes says)
+      relayout = op_writes and ins.opcode == "copy" and (ins.name in feeds or any(f"%{r})" in ins.rest
+                                                                                  for r in results))
+      if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout
+                                                         or _from_onchip(ins, comps[name])):
         staged += staging.get(name) or 1
         continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
