@@ -393,7 +393,7 @@ def _from_onchip(ins: parse.Instr, comp: parse.Computation) -> bool:
   if ins.opcode not in ("copy", "copy-start"):
     return False
   defs = {d.name: d for d in map(parse.parse_instruction, comp.lines) if d is not None}
-  src = defs.get((parse.instruction_operands(ins) or [""])[0])
+  src = defs.get((parse.operands(ins) or [""])[0])
   return src is not None and bool(_ONCHIP.search(src.type_text))
 
 
@@ -414,7 +414,7 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
     ins = parse.parse_instruction(c.text)
     if ins is not None:
       results.add(ins.name)
-      feeds.update(parse.instruction_operands(ins))
+      feeds.update(parse.operands(ins))
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:

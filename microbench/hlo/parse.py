@@ -305,8 +305,8 @@ def _defs(comp: Computation) -> dict[str, Instr]:
   return out
 
 
-def _operands(ins: Instr) -> list[str]:
-  """The instruction's operand names (the `%name`s before its attributes)."""
+def operands(ins: Instr) -> list[str]:
+  """The instruction's operand names, in order (the `%name`s before its attributes)."""
   depth, end = 0, len(ins.rest)
   for i, ch in enumerate(ins.rest):  # the operand list ends at the `)` matching the opcode's `(`
     depth += ch == "("
@@ -327,9 +327,9 @@ def _constant(name: str, defs: dict[str, Instr]) -> int | None:
     if ins.opcode == "constant":
       m = re.match(r"\s*(-?\d+)\)", ins.rest)
       return int(m.group(1)) if m else None
-    if ins.opcode not in ("copy", "bitcast", "convert") or not _operands(ins):
+    if ins.opcode not in ("copy", "bitcast", "convert") or not operands(ins):
       return None
-    name = _operands(ins)[0]
+    name = operands(ins)[0]
   return None
 
 
@@ -337,16 +337,16 @@ def _induction(comp: Computation, index: int) -> int | None:
   """The step a loop body adds to tuple element `index` (add(gte(param, index), constant)), else None."""
   defs = _defs(comp)
   root = next((parse_instruction(l) for l in comp.lines if l.strip().startswith("ROOT")), None)
-  ops = _operands(root) if root is not None and root.opcode == "tuple" else []
+  ops = operands(root) if root is not None and root.opcode == "tuple" else []
   if index >= len(ops) or ops[index] not in defs or defs[ops[index]].opcode != "add":
     return None
-  a, b = (_operands(defs[ops[index]]) + [None, None])[:2]
+  a, b = (operands(defs[ops[index]]) + [None, None])[:2]
   for x, y in ((a, b), (b, a)):
     g = defs.get(x)
     for _ in range(8):  # XLA:TPU may copy the counter (into another memory space) before stepping it
-      if g is None or g.opcode not in ("copy", "bitcast") or not _operands(g):
+      if g is None or g.opcode not in ("copy", "bitcast") or not operands(g):
         break
-      g = defs.get(_operands(g)[0])
+      g = defs.get(operands(g)[0])
     if g is not None and g.opcode == "get-tuple-element" and f"index={index}" in g.rest:
       return _constant(y, defs)
   return None
@@ -368,15 +368,15 @@ def loop_trip_count(ins: Instr, caller: Computation, comps: dict[str, Computatio
   root = next((parse_instruction(l) for l in cond.lines if l.strip().startswith("ROOT")), None)
   if root is None or root.opcode != "compare" or "direction=LT" not in root.rest:
     return None
-  lhs, rhs = (_operands(root) + [None, None])[:2]
+  lhs, rhs = (operands(root) + [None, None])[:2]
   gte, limit = cdefs.get(lhs), _constant(rhs, cdefs)
   m = re.search(r"index=(\d+)", gte.rest) if gte is not None and gte.opcode == "get-tuple-element" else None
   if m is None or limit is None:
     return None
   index = int(m.group(1))
-  init = _defs(caller).get((_operands(ins) or [""])[0])
-  start = _constant(_operands(init)[index], _defs(caller)) if init is not None and init.opcode == "tuple" and len(
-      _operands(init)) > index else None
+  init = _defs(caller).get((operands(ins) or [""])[0])
+  start = _constant(operands(init)[index], _defs(caller)) if init is not None and init.opcode == "tuple" and len(
+      operands(init)) > index else None
   step = _induction(body, index)
   if start is None or not step or step < 0:
     return None
