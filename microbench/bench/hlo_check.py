@@ -419,9 +419,10 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
     for elements, ins in writes:
       if name in in_loops:
         body += elements
-      # XLA:TPU re-tiles an all-to-all's operand or result with a copy (the op's own form, as op_writes says)
-      relayout = op_writes and ins.opcode == "copy" and (ins.name in feeds or any(f"%{r})" in ins.rest
-                                                                                  for r in results))
+      # XLA:TPU re-tiles a collective's operand (a copy) or result (a copy, or for small all-gathers and
+      # all-to-alls a reduce over the expanded form's unit dimension): the op's own form there
+      reads = any(f"%{r})" in ins.rest or f"%{r}," in ins.rest for r in results)
+      relayout = ins.opcode == "copy" and (ins.name in feeds or reads) or ins.opcode == "reduce" and reads
       if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout
                                                          or _from_onchip(ins, comps[name])):
         staged += staging.get(name) or 1
