@@ -461,3 +461,18 @@ def test_a_copy_out_of_on_chip_memory_is_staging_and_an_hbm_copy_is_not():
   assert hlo_check.verify(body.replace("SRC", "S(1)"), exp).staged == 10
   with pytest.raises(hlo_check.HloMismatch, match="loop body writes 64 elements"):
     hlo_check.verify(body.replace("SRC", ""), exp)
+
+
+def test_only_a_reduce_of_the_collectives_own_result_is_its_form():
+  """XLA:TPU's small all-gather reduces the expanded result (its own form, counted); a reduce of anything else
+  in the loop body is extra work and fails (mutation: the rule must not excuse every reduce)."""
+  exp = hlo_check.Expectation(op="all-reduce", groups=np.array([[0, 1, 2, 3]]), ordered=False, dtype="float32",
+                              elements=64, executions=10, in_loop=True, copy_limit=64, onchip_staging=True)
+  def body(src):
+    return _loop().replace(
+        "  ROOT %t = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%next, %ar, %k)",
+        f"  %zero = f32[]{{:T(128)}} constant(0)\n  %red = f32[64]{{0:T(1024)}} reduce({src}, %zero), dimensions={{}},"
+        " to_apply=%add\n  ROOT %t = (s32[]{:T(128)}, f32[64]{0:T(1024)}, s32[]{:T(128)}) tuple(%next, %red, %k)")
+  assert hlo_check.verify(body("%ar"), exp).staged == 10
+  with pytest.raises(hlo_check.HloMismatch, match="loop body writes 64 elements"):
+    hlo_check.verify(body("%x"), exp)
