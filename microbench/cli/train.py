@@ -10,7 +10,6 @@ from absl import app, flags
 from microbench.cli import cluster_flags, runner
 from microbench.cluster import distributed
 from microbench.study import presets
-from microbench.target import compile_only
 from models import FAMILIES
 from models.layers import REMAT_POLICIES
 
@@ -77,8 +76,9 @@ flags.DEFINE_string("outdir", None, "Run folder (JSONL, TensorBoard, profile). D
                     " runs/train/<model>-<size>_<parallelism>_<UTC time>.", **_M)
 flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the timed ones with"
                      " jax.profiler into the run folder (TensorBoard's Profile tab).", **_M)
-flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G. Default: from the processes'"
-                    " hosts.", **_M)
+flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (a TPU --target: its slice, e.g."
+                    " 4x4x4 or 16x16, and slices:S for several). Default: from the processes' hosts (a TPU target:"
+                    " one host's chips).", **_M)
 
 # What only a run does (processes, timed and traced steps): refused with --target, which compiles only.
 RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "steps", "warmup_steps", "profile_steps")
@@ -90,6 +90,7 @@ def main(argv: list[str]) -> None:
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   from microbench import train  # pylint: disable=g-import-not-at-top
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+  from microbench.train.config import TARGET_ERRORS  # pylint: disable=g-import-not-at-top
 
   cfg = train.TrainConfig(
       model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
@@ -115,8 +116,7 @@ def main(argv: list[str]) -> None:
       cfg = _with_preset(cfg)
       train.check_request(cfg)
     train.run(cfg)
-  except (train.ConfigError, presets.PresetError, machine.TopologyError, compile_only.TargetError,
-          compile_only.KindError) as e:
+  except (train.ConfigError, presets.PresetError, machine.TopologyError, *TARGET_ERRORS) as e:
     raise app.UsageError(str(e)) from None
 
 
@@ -129,10 +129,11 @@ def _with_preset(cfg):
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
 
   explicit = {name: FLAGS[name].value for name in presets.FIELDS if FLAGS[name].present}
-  if FLAGS.target:  # the target's devices: a GPU platform with the kind's memory
-    topology, target, _, _ = machine.resolve_target(FLAGS.target, machine.parse_topology(FLAGS.topology)
-                                                    if FLAGS.topology else None, FLAGS.nodes_per_rack)
-    count, platform, memory = topology.num_devices, "gpu", target.memory_bytes
+  if FLAGS.target:  # the target's devices: a GPU or TPU platform with the kind's memory
+    topology, target, _, _ = machine.resolve_target(
+        FLAGS.target, machine.parse_target_topology(FLAGS.target, FLAGS.topology), FLAGS.nodes_per_rack)
+    count = topology.num_devices
+    platform, memory = "tpu" if machine.is_tpu_target(FLAGS.target) else "gpu", target.memory_bytes
   else:
     device = jax.devices()[0]
     count, platform, memory = jax.device_count(), device.platform, machine.device_memory(device)

@@ -17,7 +17,8 @@ import numpy as np
 
 from meshes import parallelism as par
 from meshes.topology import Topology, TopologyError, parse_topology
-from microbench.target import compile_only
+from microbench.fabric import tpu_kinds
+from microbench.target import compile_only, tpu_compile_only
 from models import ModelError, ModelSpec, context, get_model, pipeline, pipeline_schedule
 from models.layers import CONTEXT_IMPLS, REMAT_POLICIES, Execution
 from models.train_step import Trainer, variable_spec
@@ -29,6 +30,11 @@ DEFAULT_SCHEDULE = "1f1b"  # pipeline schedule when --schedule is not given
 
 class ConfigError(ValueError):
   """A request that can't run; the message is one line saying why and what is allowed."""
+
+
+# What setting up a --target can raise, each with a one-line message: GPU and TPU kinds and compilers.
+TARGET_ERRORS = (compile_only.TargetError, compile_only.KindError, tpu_compile_only.TargetError,
+                 tpu_kinds.KindError)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +70,7 @@ class TrainConfig:
   profile_steps: int = 0
   topology: str | None = None
   nodes_per_rack: int | None = None
-  target: str | None = None  # compile for this GPU kind's compile-only devices (implies compile_only)
+  target: str | None = None  # compile for this GPU or TPU kind's compile-only devices (implies compile_only)
   write: bool = True  # False: no files (library use, tests)
   # XLA options for the step's compile (library use: tests turn LLVM optimisation off to compile faster;
   # SPMD partitioning, which decides the collectives and shardings, is the same).
@@ -117,10 +123,10 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
   try:
     spec = get_model(cfg.model, cfg.size, cfg.layers, cfg.seq_len, cfg.capacity_factor, cfg.moe_dispatch)
     parallelism = par.parse_parallelism(cfg.parallelism) if cfg.parallelism else None
-    topology = parse_topology(cfg.topology) if cfg.topology else None
+    topology = _parse_topology(cfg)
     if parallelism is not None:
       par.axis_order(cfg.placement, parallelism)
-  except (ModelError, par.ParallelismError, TopologyError) as e:
+  except (ModelError, par.ParallelismError, TopologyError, *TARGET_ERRORS) as e:
     raise ConfigError(str(e)) from None
   if cfg.dtype not in DTYPES:
     raise ConfigError(f"--dtype={cfg.dtype}: choose {' or '.join(DTYPES)}")
@@ -157,6 +163,15 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
   _check_pipeline(cfg, spec, parallelism)
   _check_context(cfg, spec, parallelism)
   return spec, parallelism, topology
+
+
+def _parse_topology(cfg: TrainConfig):
+  """--topology as the target reads it: a TPU slice (`4x4x4,slices:2`) for a TPU --target, GPU nodes
+  (`racks:R,nodes:N,gpus:G`) otherwise; None when not given."""
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+  if not cfg.topology:
+    return None
+  return machine.parse_target_topology(cfg.target, cfg.topology) if cfg.target else parse_topology(cfg.topology)
 
 
 def _check_pipeline(cfg: TrainConfig, spec: ModelSpec, parallelism: par.Parallelism | None) -> None:
@@ -225,7 +240,7 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
   elif cfg.target:
     try:
       topology, _, machine_mesh, note = machine.resolve_target(cfg.target, topology, cfg.nodes_per_rack)
-    except (TopologyError, compile_only.TargetError, compile_only.KindError) as e:
+    except (TopologyError, *TARGET_ERRORS) as e:
       raise ConfigError(str(e)) from None
     devices = list(machine_mesh.devices.flat)
   else:
@@ -260,8 +275,32 @@ def plan(cfg: TrainConfig, devices: Sequence[jax.Device] | None = None) -> Plan:
                       " every batch shard")
   mesh = par.build_mesh(parallelism, devices, order)
   attention, why = choose_attention(cfg.attention, spec, cfg.dtype, devices[0], parallelism)
-  return Plan(cfg, spec, parallelism, order, topology, note, mesh,
-              par.describe_placement(parallelism, order, topology), attention, why)
+  placement = (describe_tpu_placement(mesh, order) if devices[0].platform == "tpu"
+               else par.describe_placement(parallelism, order, topology))
+  return Plan(cfg, spec, parallelism, order, topology, note, mesh, placement, attention, why)
+
+
+def describe_tpu_placement(mesh: jax.sharding.Mesh, order: Sequence[str]) -> dict[str, str]:
+  """Where each used mesh axis's groups lie on a TPU pod, from what the chips say of themselves: among one
+  host's chips, across hosts of one slice (both over ICI), or across slices (over DCN)."""
+  host = np.vectorize(lambda d: f"{getattr(d, 'slice_index', 0) or 0}/{d.process_index}", otypes=[object])
+  sl = np.vectorize(lambda d: int(getattr(d, "slice_index", 0) or 0), otypes=[int])
+  hosts, slices = host(mesh.devices), sl(mesh.devices)
+  out = {}
+  for i, axis in enumerate(order):
+    n = mesh.devices.shape[i]
+    if n == 1:
+      continue
+    h = np.moveaxis(hosts, i, -1).reshape(-1, n)
+    s = np.moveaxis(slices, i, -1).reshape(-1, n)
+    if all(len(set(g)) == 1 for g in h):
+      where = "among one host's chips (ICI)"
+    elif all(len(set(g)) == 1 for g in s):
+      where = f"across {len(set(h[0]))} hosts of one slice (ICI)"
+    else:
+      where = f"across {len(set(s[0]))} slices (DCN){'' if len(set(h[0])) == len(set(s[0])) else ' and hosts in each (ICI)'}"
+    out[axis] = f"{n} {where}"
+  return out
 
 
 def _cudnn_obstacle(spec: ModelSpec, dtype: str, device: jax.Device, parallelism: par.Parallelism) -> str | None:

@@ -22,7 +22,7 @@ from meshes import parallelism as par
 from microbench.cluster import environment, machine
 from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
-from microbench.fabric import gpu_kinds
+from microbench.fabric import gpu_kinds, tpu_kinds
 from microbench.target import compile_only
 from microbench.train import comm_fingerprint, dispatch, overheads, peaks
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
@@ -71,9 +71,16 @@ def format_table(summary: dict[str, Any]) -> str:
         ("MFU", mfu),
     ]
   m = s["memory"]
-  rows.append(("memory per device", f"{_mib(s['memory_per_device_bytes'])} (args {_mib(m['argument_bytes'])},"
-                                    f" temp {_mib(m['temp_bytes'])}, out {_mib(m['output_bytes'])},"
-                                    f" aliased {_mib(m['alias_bytes'])})"))
+  if s.get("compile_refused"):
+    rows.append(("memory per device", f"at least {_mib(s['memory_per_device_bytes'])}, as XLA:TPU's refusal says"
+                                      f" ({_mib(s['xla_available_bytes'])} available): {s['compile_refused']}"))
+  else:
+    rows.append(("memory per device", f"{_mib(s['memory_per_device_bytes'])} (args {_mib(m['argument_bytes'])},"
+                                      f" temp {_mib(m['temp_bytes'])}, out {_mib(m['output_bytes'])},"
+                                      f" aliased {_mib(m['alias_bytes'])})"))
+  if s["kind"] != "summary" and s.get("step_time_at_full_mfu_s") is not None:
+    rows.append(("step at 100% MFU", f"{s['step_time_at_full_mfu_s'] * 1e3:.3g} ms at {s['peak_tflops_per_device']:g}"
+                                     f" TFLOP/s per device [{s['peak_source']}]"))
   if s.get("usable_bytes"):  # a compile target: against what JAX gets of the device
     rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
                          f" {_mib(s['usable_bytes'])} usable ({s['mem_fraction']:.0%} of {_mib(s['device_memory_bytes'])}),"
@@ -122,10 +129,60 @@ def format_table(summary: dict[str, Any]) -> str:
     else:
       trips = f"x{loop['trip_count'] * runs}" + (f" ({loop['trip_count']} x {runs} runs, nested)" if runs > 1 else "")
     rows.append(("  in a loop", f"{trips} per step: {_comm_text(loop['ops'])} per iteration"))
+  if s.get("comm_dcn"):
+    rows.append(("  over DCN", f"{_comm_text(s['comm_dcn'])} (Megascale transfers across slices; the rest is ICI)"))
+  for op, forms in (s.get("comm_forms") or {}).items():
+    for form, count in forms.items():
+      if form != comm_fingerprint.DCN:
+        rows.append(("  as compiled", f"{count} of the {op} x{s['comm'][op]['count']} as {form}"))
   if s.get("comm_note"):
     rows.append(("  note", s["comm_note"]))
   width = max(len(k) for k, _ in rows)
   return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def target_memory(name: str) -> tuple[int, float | None]:
+  """A --target's memory per device and the share of it a JAX process gets (None: the GPU default, from the
+  environment, see compile_only.mem_fraction). JAX on a TPU preallocates no fraction: XLA:TPU's allocator has
+  the chip's whole HBM (and the compiler refuses a program above it), so a TPU target's share is all of it."""
+  if machine.is_tpu_target(name):
+    return tpu_kinds.target(name).memory_bytes, compile_only.TPU_MEM_FRACTION
+  return gpu_kinds.target(name).memory_bytes, None
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+# XLA:TPU refuses to compile a program larger than the chip's HBM, in one of these words (its sizes in GiB, "G").
+_HBM_REFUSALS = (
+    re.compile(r"memory required for (?P<what>[\w ]+?) \((?P<need>[\d.]+)(?P<nu>[KMGT]?)i?B?\) exceeds available"
+               r" HBM \((?P<have>[\d.]+)(?P<hu>[KMGT]?)i?B?\)"),
+    re.compile(r"Ran out of memory in memory space hbm\. Used (?P<need>[\d.]+)(?P<nu>[KMGT]?)i?B? of"
+               r" (?P<have>[\d.]+)(?P<hu>[KMGT]?)i?B? hbm"),
+)
+
+
+def hbm_refusal(message: str) -> dict[str, Any] | None:
+  """XLA:TPU's compile-time out-of-memory verdict, None when `message` is something else: what it needed (at
+  least: its figure may count temporaries only) and what the chip had, in bytes, and its own words."""
+  if "RESOURCE_EXHAUSTED" not in message:
+    return None
+  for pattern in _HBM_REFUSALS:
+    m = pattern.search(message)
+    if m:
+      line = next((l for l in message.splitlines() if m.group(0) in l), m.group(0)).strip()
+      return {"required_bytes": int(float(m.group("need")) * _UNITS[m.group("nu")]),
+              "available_bytes": int(float(m.group("have")) * _UNITS[m.group("hu")]),
+              "message": line[line.find("RESOURCE_EXHAUSTED"):] if "RESOURCE_EXHAUSTED" in line else line}
+  return None
+
+
+def _target_peak(cfg: TrainConfig, device: jax.Device, flops: float, n: int) -> dict[str, Any]:
+  """A compile target's spec-sheet peak and the step time at 100% MFU it implies (what a run's MFU divides);
+  nothing for the devices present, whose peak a run measures or looks up (peaks.device_peak)."""
+  peak = peaks.table_peak(device.device_kind, cfg.dtype) if cfg.target else None
+  if peak is None:
+    return {}
+  return {"peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
+          "step_time_at_full_mfu_s": flops / (n * peak.tflops * 1e12)}
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
@@ -302,28 +359,41 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     say(f"  run folder {run_dir}")
 
   t0 = time.perf_counter()
-  compile_note = None
-  if cfg.target:
-    compiled, compile_note = compile_only.compile_for_target(trainer.compile_step, cfg.compiler_options)
-  else:
-    compiled = trainer.compile_step(cfg.compiler_options)
+  compile_note, refused = None, None
+  try:
+    if cfg.target:
+      compiled, compile_note = compile_only.compile_for_target(trainer.compile_step, cfg.compiler_options)
+    else:
+      compiled = trainer.compile_step(cfg.compiler_options)
+  except Exception as e:  # pylint: disable=broad-except
+    refused = hbm_refusal(str(e)) if cfg.target and device.platform == "tpu" else None
+    if refused is None:
+      raise
+    compiled = None
   compile_s = time.perf_counter() - t0
-  memory = compile_only.memory(compiled) or dict.fromkeys(
+  memory = (compile_only.memory(compiled) if compiled is not None else None) or dict.fromkeys(
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
-  hlo_text = compiled.as_text()
+  hlo_text = compiled.as_text() if compiled is not None else ""
   report = comm_fingerprint.comm_report(hlo_text, n)
   comm, comm_loops = report["ops"], report["loops"]
   comm_note = None
   if device.platform == "cpu" and cfg.dtype == "bfloat16" and comm:
     comm_note = ("on CPU, XLA's float-normalization-bf16 pass widens bfloat16 collectives to float32; the"
                  " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
+  if refused:
+    comm_note = "none compiled: XLA:TPU refused the program (it does not fit)"
   per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
-  target = gpu_kinds.target(cfg.target) if cfg.target else None
-  memory_limit = target.memory_bytes if target else machine.device_memory(device)
-  # A target's fit is against what JAX gets of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 75%); a
-  # real device's limit is already the allocator's.
-  fit = (compile_only.fit(per_device, memory_limit) if target
-         else {"fits": None if memory_limit is None else per_device <= memory_limit})
+  memory_limit, fraction = target_memory(cfg.target) if cfg.target else (machine.device_memory(device), None)
+  # A GPU target's fit is against what JAX gets of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 75%), a
+  # TPU target's against all of it (TPU_MEM_FRACTION); a real device's limit is already the allocator's.
+  if refused:  # XLA:TPU's own verdict, with what it says it needed (at least) and had
+    per_device = refused["required_bytes"]
+    fit = {**compile_only.fit(per_device, memory_limit, fraction), "fits": False,
+           "xla_available_bytes": refused["available_bytes"], "compile_refused": refused["message"]}
+  elif cfg.target:
+    fit = compile_only.fit(per_device, memory_limit, fraction)
+  else:
+    fit = {"fits": None if memory_limit is None else per_device <= memory_limit}
   item = spec.item_name
   items = spec.items_per_step(cfg.batch)
   flops = spec.step_flops(cfg.batch)
@@ -338,8 +408,9 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "flops_per_step": flops, "flops_per_step_full_attention": flops_full, "flops_formula": spec.flops_formula,
       "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
       "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit, **fit,
-      "target": cfg.target,
+      "target": cfg.target, **_target_peak(cfg, device, flops, n),
       "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
+      "comm_dcn": report["dcn"], "comm_forms": report["forms"],
       **_strategy_fields(p, spec, device),
   }
 

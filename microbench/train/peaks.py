@@ -2,7 +2,10 @@
 
 Accelerators: the vendor's dense (not 2:4 sparse) figure, matched on the exact device kind JAX reports (the
 CUDA device name), never on a substring: an H100 PCIe must not get the SXM's peak, nor an H200 NVL the
-H200's. An unknown kind gets no peak and no MFU, with a note saying so. float32 compute on NVIDIA runs on
+H200's. TPUs: the kind's dense bf16 figure from the TPU kinds table (microbench/fabric/tpu_specs), matched on
+JAX's device_kind ("TPU v5" is a v5p, "TPU v5 lite" a v5e); float32 matmuls on a TPU run as bfloat16 passes
+at JAX's default precision, so the bf16 peak is their peak too. An unknown kind gets no peak and no MFU, with a
+note saying so. float32 compute on NVIDIA runs on
 TF32 tensor cores (JAX's default matmul precision), so its peak is the dense TF32 figure. An MI250X module
 is two GCDs and JAX sees each GCD as a device, so its per-device figure is half the module's.
 CPU has no spec sheet: a jitted matmul is timed in several calibration runs and their median is the peak,
@@ -28,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from microbench.fabric import gpu_kinds
+from microbench.fabric import gpu_kinds, tpu_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,9 +64,18 @@ def table_peak(device_kind: str, dtype: str) -> Peak | None:
   """Spec-sheet peak for a device kind matched exactly (surrounding spaces ignored), or None."""
   e = _BY_KIND.get(device_kind.strip())
   if e is None:
-    return None
+    return tpu_peak(device_kind, dtype)
   bf16 = dtype == "bfloat16"
   return Peak(e.bf16 if bf16 else e.tf32, f"{e.name} dense {'bf16' if bf16 else 'tf32/fp32'} spec ({e.cite})")
+
+
+def tpu_peak(device_kind: str, dtype: str) -> Peak | None:
+  """A TPU kind's dense bf16 peak per chip (one JAX device per chip), or None for a kind the table lacks."""
+  kind = tpu_kinds.lookup(device_kind)
+  if kind is None:
+    return None
+  how = "bf16" if dtype == "bfloat16" else "bf16 (float32 matmuls run as bf16 passes at JAX's default precision)"
+  return Peak(kind.bf16_tflops, f"{kind.title} dense {how} spec ({kind.peak_cite})")
 
 
 def _time_matmul(f, a, b, reps: int) -> float:
