@@ -28,9 +28,11 @@ flags.DEFINE_string("local_device_ids", None,
 flags.DEFINE_integer("nodes_per_rack", None,
                      "Group this many nodes (hosts) into one rack (NVLink domain). Default: one rack.",
                      lower_bound=1)
-flags.DEFINE_string("target", None, "Compile for a GPU cluster without one: a GPU kind (a100, h100, h200, gh200,"
-                    " b200, gb200, b300, gb300) whose compile-only devices, shaped by --topology (hosts = racks x"
-                    " nodes), XLA:GPU compiles every program for; nothing runs. Needs the gpu-compile extra.")
+flags.DEFINE_string("target", None, "Compile for a GPU cluster or a TPU pod without one: a GPU kind (a100, h100,"
+                    " h200, gh200, b200, gb200, b300, gb300) whose compile-only devices, shaped by --topology (hosts"
+                    " = racks x nodes), XLA:GPU compiles every program for (the gpu-compile extra), or a TPU kind"
+                    " (v5e, v5p, v6e) with --topology a slice such as 4x4x4 or 16x16,slices:2, compiled by XLA:TPU"
+                    " (the tpu-compile extra); nothing runs.")
 flags.DEFINE_integer("heartbeat_timeout", 10,
                      "Seconds without a heartbeat before a peer is declared dead.", lower_bound=1)
 flags.DEFINE_integer("init_timeout", 120, "Seconds to wait for all processes to join.", lower_bound=1)
