@@ -582,10 +582,11 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
         rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
         if tpu:
           rec["peak_algorithm"] = tpu_peaks.PEAK_ALGORITHM
-      elif rec["status"] == "compiled" and peak:  # what the links would allow the measurement, once it runs
-        rec.update(peak_gbps=peak, peak_algorithm=tpu_peaks.PEAK_ALGORITHM if tpu else link_peaks.ALGORITHMS.get(family))
         if models and plan.name in models:
           rec.update(fabric_expected.point(models[plan.name], family, rec))
+      elif rec["status"] == "compiled" and peak:  # what the links would allow the measurement, once it runs
+        rec.update(peak_gbps=peak,
+                   peak_algorithm=tpu_peaks.PEAK_ALGORITHM if tpu else link_peaks.ALGORITHMS.get(family))
       rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
       if (rec["status"] == "failed" and jax.process_count() > 1
           and distributed.is_peer_failure(rec["reason"])):
