@@ -225,8 +225,13 @@ def test_the_studys_machines_and_gpus_are_the_fabrics():
     assert (m.gpus_per_node, m.nodes_per_l1, m.l1_per_group, m.gpu) == (
         f.gpus_per_node, f.nodes_per_leaf, f.leaves_per_group, f.gpu), name
   kinds = gpu_kinds.kinds()
+  from microbench.fabric import tpu_kinds  # pylint: disable=g-import-not-at-top
   for name, g in wl.GPUS.items():
     if name in wl.CALIBRATION:
+      continue
+    if name.lower() in tpu_kinds.kinds():  # a TPU chip's roofline: its bf16 peak and HBM bandwidth
+      tpu = tpu_kinds.kinds()[name.lower()]
+      assert g.peak_flops == tpu.bf16_tflops * 1e12 and g.bandwidth == tpu.hbm_gbytes_s * 1e9, name
       continue
     kind = kinds[name.lower()]
     assert g.peak_flops == kind.bf16_tflops * 1e12 and g.bandwidth == kind.xla["memory_bandwidth"], name
