@@ -286,13 +286,14 @@ def fold(acc: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
-                reps: int, command_buffer: cmdbuf.Arm | None = None) -> Compiled:
+                reps: int, command_buffer: cmdbuf.Arm | None = None, twin: bool = True) -> Compiled:
   """Compiles the program that runs `reps` (even) operations back to back and, as its `checked` twin, the same
   program digesting every repetition's output; checks both HLOs. The timed calls run the first: the digest
   is one more pass over each output, which on CPU costs 1.2-5x the collective itself (scripts/bench_peer.py's
-  figures), so it is never timed."""
+  figures), so it is never timed. `twin=False` (a compile-only target, where nothing runs to be checked): the
+  timed program alone."""
   timed = _build_timed(coll, mesh, scope, count, dtype, reps, digest=False, command_buffer=command_buffer)
-  if coll.digest_each(platform_of(mesh)):
+  if twin and coll.digest_each(platform_of(mesh)):
     timed.checked = _build_timed(coll, mesh, scope, count, dtype, reps, digest=True, command_buffer=command_buffer)
   return timed
 
