@@ -296,12 +296,14 @@ class Browser:
     return view
 
   def text_boxes(self, want: int = 1, timeout: float = 40.0) -> list[dict]:
-    """The Text tab's boxes (run, tag, heights, text), polling until `want` hold text."""
+    """The Text tab's boxes (run, tag, heights, text), polling until `want` hold text and no box shown is
+    still empty (a loaded machine fills one box after another: a box caught before its text arrives is 20 px
+    with nothing in it)."""
     end = time.time() + timeout
     boxes: list[dict] = []
     while time.time() < end:
       boxes = self.driver.script(_TEXT_BOXES)
-      if sum(1 for b in boxes if b["text"]) >= want:
+      if sum(1 for b in boxes if b["text"]) >= want and all(b["text"] for b in boxes):
         break
       time.sleep(0.5)
     return boxes
