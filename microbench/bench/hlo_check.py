@@ -208,12 +208,7 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
       raise HloMismatch(f"{exp.op} moves {c.elements} elements per device, expected {exp.elements}: {c.text[:200]}")
   if len(wire) > 1:
     raise HloMismatch(f"{exp.op} runs in several types {sorted(wire)}")
-  comps = parse.computations(hlo_text)
-  counts = parse.execution_counts(hlo_text, comps)
-  in_loops: dict[str, WhileTrip] = {}
-  for loop in parse.while_loops(hlo_text, comps):
-    for name in parse.reachable(hlo_text, loop.body, comps):
-      in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  comps, counts, in_loops = _loops(hlo_text)
   # A decomposed permute's pieces are parts of one operation: each piece counts 1/k of an execution.
   pieces = sum(len(c.groups) for c in matches) // max(1, len(want if want is not None else
                                                           expected_groups(exp.op, exp.groups, exp.ordered)))
@@ -263,7 +258,7 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
   if not transfers:
     raise HloMismatch(f"expected {exp.op} across slices as Megascale (DCN) transfers, compiled program has none"
                       f" ({_describe(ici)})")
-  want = parse.MEGASCALE_OPS.get(next((k for k, v in parse.MEGASCALE_OPS.items() if v == exp.op), ""), exp.op)
+  want = exp.op
   if one_each:
     other = [t for t in transfers if t.op != want]
     if other or ici:
@@ -273,12 +268,7 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
   bad = [c for c in ici if any(v >= chips for g in c.groups for v in g)]
   if bad:
     raise HloMismatch(f"an ICI collective leaves its slice: {_describe(bad)}")
-  comps = parse.computations(hlo_text)
-  counts = parse.execution_counts(hlo_text, comps)
-  in_loops: dict[str, WhileTrip] = {}
-  for loop in parse.while_loops(hlo_text, comps):
-    for name in parse.reachable(hlo_text, loop.body, comps):
-      in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  comps, counts, in_loops = _loops(hlo_text)
   total, inside, trips = 0, 0, []
   for t in transfers:
     times = counts.get(t.computation)
@@ -303,6 +293,17 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
          "ici_collectives_per_call": len(ici), "ici_ops": sorted({c.op for c in ici})}
   return Verified(match, wire, exp.executions, tuple(t for t in trips if t is not None), inside // per_op,
                   tuple(f"megascale-{t.transfer.lower().replace('_', '-')}" for t in transfers), dcn=dcn)
+
+
+def _loops(hlo_text: str) -> tuple[dict[str, parse.Computation], dict[str, int | None], dict[str, "WhileTrip"]]:
+  """The module's computations, each one's executions per call, and the while loop each loop-run one sits in."""
+  comps = parse.computations(hlo_text)
+  counts = parse.execution_counts(hlo_text, comps)
+  in_loops: dict[str, WhileTrip] = {}
+  for loop in parse.while_loops(hlo_text, comps):
+    for name in parse.reachable(hlo_text, loop.body, comps):
+      in_loops.setdefault(name, WhileTrip(loop.trip_count, loop.line))
+  return comps, counts, in_loops
 
 
 def _first_output(hlo_text: str) -> tuple[int, ...]:
@@ -387,12 +388,11 @@ def _staging_copy(ins: parse.Instr) -> bool:
   return bool(_ONCHIP.search(ins.type_text))
 
 
-def _from_onchip(ins: parse.Instr, comp: parse.Computation) -> bool:
-  """A copy out of on-chip memory: its operand (through bitcasts) lives in VMEM (S(1)), the copy writes it back
-  to HBM in another tiling: XLA:TPU's staging, the other way."""
+def _from_onchip(ins: parse.Instr, defs: dict[str, parse.Instr]) -> bool:
+  """A copy out of on-chip memory: its operand (`defs`: its computation's instructions by name) lives in VMEM
+  (S(1)), the copy writes it back to HBM in another tiling: XLA:TPU's staging, the other way."""
   if ins.opcode not in ("copy", "copy-start"):
     return False
-  defs = {d.name: d for d in map(parse.parse_instruction, comp.lines) if d is not None}
   src = defs.get((parse.operands(ins) or [""])[0])
   return src is not None and bool(_ONCHIP.search(src.type_text))
 
@@ -415,6 +415,13 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
     if ins is not None:
       results.add(ins.name)
       feeds.update(parse.operands(ins))
+  defs: dict[str, dict[str, parse.Instr]] = {}
+
+  def defs_of(name: str) -> dict[str, parse.Instr]:  # a computation's instructions by name, parsed once
+    if name not in defs:
+      defs[name] = {d.name: d for d in map(parse.parse_instruction, comps[name].lines) if d is not None}
+    return defs[name]
+
   for name, writes in body_writes(hlo_text, comps).items():
     for elements, ins in writes:
       if name in in_loops:
@@ -424,7 +431,7 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
       reads = any(f"%{r})" in ins.rest or f"%{r}," in ins.rest for r in results)
       relayout = ins.opcode == "copy" and (ins.name in feeds or reads) or ins.opcode == "reduce" and reads
       if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout
-                                                         or _from_onchip(ins, comps[name])):
+                                                         or _from_onchip(ins, defs_of(name))):
         staged += staging.get(name) or 1
         continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
