@@ -21,8 +21,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tomllib
 from typing import Any
+
+from microbench.fabric import spec_files
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_specs")
 MIB = 1 << 20
@@ -120,35 +121,16 @@ def _memory(path: str, m: dict[str, Any]) -> tuple[int, str]:
 
 def _sources(path: str, d: dict[str, Any], memory_source: str) -> dict[str, str]:
   """figure -> source: [memory]'s, peak_cite for the peaks, and [[sources]] for every other figure."""
-  out = {"memory": memory_source, "bf16_tflops": d["peak_cite"], "tf32_tflops": d["peak_cite"]}
-  for entry in d.get("sources", []):
-    cite = str(entry.get("cite", "")).strip()
-    for fig in entry.get("figures", []):
-      if fig in out or not cite:
-        raise ValueError(f"{path}: figure {fig!r} cited twice or with an empty cite")
-      out[fig] = cite
-  wanted = _figures(d.get("nvlink"), d.get("rack_nvlink"), d.get("xla"))
-  missing = [f for f in wanted if not out.get(f)]
-  unknown = sorted(set(out) - set(wanted))
-  if missing or unknown:
-    raise ValueError(f"{path}: every figure needs exactly one source; without: {', '.join(missing) or '-'};"
-                     f" not figures of this kind: {', '.join(unknown) or '-'}")
-  return out
+  return spec_files.sources(path, d, {"memory": memory_source, "bf16_tflops": d["peak_cite"],
+                                      "tf32_tflops": d["peak_cite"]},
+                            _figures(d.get("nvlink"), d.get("rack_nvlink"), d.get("xla")))
 
 
 @functools.cache
 def kinds() -> dict[str, GpuKind]:
   """Every kind in gpu_specs/, by name."""
   out = {}
-  for fname in sorted(os.listdir(SPECS)):
-    if not fname.endswith(".toml"):
-      continue
-    path = os.path.join(SPECS, fname)
-    with open(path, "rb") as f:
-      d = tomllib.load(f)
-    missing = [k for k in _FIELDS if k not in d]
-    if missing:
-      raise ValueError(f"{path}: missing {', '.join(missing)}")
+  for path, d in spec_files.read(SPECS, _FIELDS):
     xla = d.get("xla")
     if xla and set(xla) != set(XLA_FIELDS):
       raise ValueError(f"{path}: [xla] wants exactly {', '.join(XLA_FIELDS)}")

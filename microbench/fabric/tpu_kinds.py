@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import tomllib
 from typing import Any
+
+from microbench.fabric import spec_files
 
 SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_specs")
 GIB = 1 << 30
@@ -90,35 +91,16 @@ def _memory(path: str, m: dict[str, Any]) -> tuple[int, str]:
 
 
 def _sources(path: str, d: dict[str, Any], memory_source: str) -> dict[str, str]:
-  out = {"memory": memory_source, "bf16_tflops": d["peak_cite"]}
-  for entry in d.get("sources", []):
-    cite = str(entry.get("cite", "")).strip()
-    for fig in entry.get("figures", []):
-      if fig in out or not cite:
-        raise ValueError(f"{path}: figure {fig!r} cited twice or with an empty cite")
-      out[fig] = cite
-  wanted = ("memory", "bf16_tflops", *_CITED, *(("dcn_gbits_per_chip",) if d.get("dcn_gbits_per_chip") else ()))
-  missing = [f for f in wanted if not out.get(f)]
-  unknown = sorted(set(out) - set(wanted))
-  if missing or unknown:
-    raise ValueError(f"{path}: every figure needs exactly one source; without: {', '.join(missing) or '-'};"
-                     f" not figures of this kind: {', '.join(unknown) or '-'}")
-  return out
+  return spec_files.sources(path, d, {"memory": memory_source, "bf16_tflops": d["peak_cite"]},
+                            ("memory", "bf16_tflops", *_CITED,
+                             *(("dcn_gbits_per_chip",) if d.get("dcn_gbits_per_chip") else ())))
 
 
 @functools.cache
 def kinds() -> dict[str, TpuKind]:
   """Every kind in tpu_specs/, by name."""
   out = {}
-  for fname in sorted(os.listdir(SPECS)):
-    if not fname.endswith(".toml"):
-      continue
-    path = os.path.join(SPECS, fname)
-    with open(path, "rb") as f:
-      d = tomllib.load(f)
-    missing = [k for k in _FIELDS if k not in d]
-    if missing:
-      raise ValueError(f"{path}: missing {', '.join(missing)}")
+  for path, d in spec_files.read(SPECS, _FIELDS):
     memory_bytes, memory_source = _memory(path, d["memory"])
     out[d["name"]] = TpuKind(
         name=d["name"], title=d["title"], device_kinds=tuple(d["device_kinds"]),
