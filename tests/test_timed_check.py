@@ -117,8 +117,8 @@ MUTANTS = [(AddsOneEverySecond, "float32"), (AddsOneEverySecond, "bfloat16"), (A
 
 
 def _timed(mesh, coll, plan, dtype, long_reps):
-  """The sweep's sequence through the public API: build, check, a warm-up and two timed pairs, the timed check
-  over the 3 x (2 + long_reps) repetitions run."""
+  """The sweep's sequence through the public API: build, check, a warm-up (the long arm's twin) and two timed
+  pairs, the timed check over the long_reps + 2 x (2 + long_reps) repetitions run."""
   count = 8 * plan.group_size
   point = program.build_check(coll, mesh, plan, count, dtype)
   wrong_check = program.check(point)
@@ -129,17 +129,18 @@ def _timed(mesh, coll, plan, dtype, long_reps):
 
 
 @pytest.mark.parametrize("mutant,dtype", MUTANTS, ids=lambda m: getattr(m, "name", m))
-@pytest.mark.parametrize("scope,long_reps", [("scale_up", 6), ("rack_scale", 6), ("global", 6), ("rack_scale", 10)])
+@pytest.mark.parametrize("scope,long_reps", [("scale_up", 6), ("rack_scale", 12), ("global", 12), ("rack_scale", 10)])
 def test_a_collective_wrong_only_in_some_timed_repetitions_is_caught(mesh, mutant, dtype, scope, long_reps):
-  """24 repetitions in all (a multiple of 2, 4 and 8) or 36 (of 2 and 4): every mutant caught on every rank."""
+  """22 repetitions in all (a multiple of the group of 2), 40 (of 2, 4 and 8: the groups of 4 and 8) or 34 (of
+  2, not of the group of 4): every mutant caught on every rank."""
   plan = PLANS[scope]
   wrong_check, wrong, note = _timed(mesh, mutant(), plan, dtype, long_reps)
   assert wrong_check == 0  # right as one operation: the check program can't see it
   assert wrong == jax.device_count(), (wrong, note)  # every rank's sequence of outputs differs
   real = collectives.get(next(c for c in mutant.__mro__ if c.__module__ == collectives.__name__).name)
   assert _timed(mesh, real, plan, dtype, long_reps)[1:] == (0, (
-      f"every output of the {2 + long_reps} checked repetitions (the untimed twins) and the final output after"
-      f" all {3 * (2 + long_reps)} compared (digests)"))
+      f"every output of the {long_reps} checked repetitions (the untimed twins) and the final output after"
+      f" all {long_reps + 2 * (2 + long_reps)} compared (digests)"))
 
 
 @pytest.mark.parametrize("mutant", [AllToAllIdleEverySecond, PPermuteMovesNothing], ids=lambda m: m.name)

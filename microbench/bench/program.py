@@ -63,7 +63,8 @@ class Compiled:
   verified: hlo_check.Verified
   reps: int  # operations per call
   # The checked twin: the same step with every repetition's output digested, run untimed (time_pairs'
-  # warm-up); None for the twin itself and where the platform digests nothing per repetition.
+  # warm-up runs the long arm's); None for the twin itself, the short arm, and where the platform digests
+  # nothing per repetition.
   checked: "Compiled | None" = None
 
 
@@ -544,9 +545,11 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
                ) -> tuple[np.ndarray, np.ndarray, tuple[jax.Array, ...]]:
   """Seconds per call of each arm, up to `samples` of each, alternating (the order flips every pair so
   neither arm always runs first), and the final carry. The carry flows from call to call, donated each time,
-  so the final one holds (max(warmup, 1) + pairs taken) x (short + long) repetitions of the op: the warm-up
-  calls run the checked twins (every repetition's output digested), and with no warm-up one checked pair runs
-  after the samples, untimed (`chain_reps` counts them; check_timed compares the carry). From MIN_SAMPLES pairs
+  so the final one holds max(warmup, 1) x long + pairs taken x (short + long) repetitions of the op: the
+  warm-up calls run the long arm's checked twin (every repetition's output digested), and with no warm-up one
+  checked call runs after the samples, untimed (`chain_reps` counts them; check_timed compares the carry). The
+  short arm has no twin: its 2 repetitions beside the long arm's k >= 6 would cost a digested pass more per
+  point and another compile, and catch nothing the long twin's k consecutive repetitions do not. From MIN_SAMPLES pairs
   on, after each pair, `resolved(t_short, t_long)` may end the point early: a point whose median is already
   resolved gains little from more pairs (a multi-process job must answer the same on every
   process: the sweep's answer is gathered). `inject_delay_s` (fault injection) is added per operation, so it
@@ -554,8 +557,8 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
   a command buffer's graph on its second call; the twins are other programs)."""
   for _ in range(graph_warmup):
     carry = _run(long, _run(short, carry))
-  for _ in range(warmup):  # untimed: the checked twins, every repetition's output digested
-    carry = _run(long.checked or long, _run(short.checked or short, carry))
+  for _ in range(warmup):  # untimed: the long arm's checked twin, every repetition's output digested
+    carry = _run(long.checked or long, carry)
   t_short, t_long = [], []
   for i in range(samples):
     for prog in ((short, long) if i % 2 == 0 else (long, short)):
@@ -567,8 +570,8 @@ def time_pairs(short: Compiled, long: Compiled, carry: tuple[jax.Array, ...], wa
       (t_short if prog is short else t_long).append(time.perf_counter() - t0)
     if resolved is not None and MIN_SAMPLES <= i + 1 < samples and resolved(np.asarray(t_short), np.asarray(t_long)):
       break
-  if not warmup:  # the checked twins still run once, untimed, after the samples
-    carry = _run(long.checked or long, _run(short.checked or short, carry))
+  if not warmup:  # the checked twin still runs once, untimed, after the samples
+    carry = _run(long.checked or long, carry)
   return np.asarray(t_short), np.asarray(t_long), carry
 
 
@@ -579,8 +582,8 @@ def chain_reps(warmup: int, pairs: int, short_reps: int, long_reps: int,
   pair = short_reps + long_reps
   ahead = graph_warmup * pair
   if warmup:
-    return ahead + (warmup + pairs) * pair, (ahead, warmup * pair)
-  return ahead + (pairs + 1) * pair, (ahead + pairs * pair, pair)
+    return ahead + warmup * long_reps + pairs * pair, (ahead, warmup * long_reps)
+  return ahead + pairs * pair + long_reps, (ahead + pairs * pair, long_reps)
 
 
 def time_calls(point: Point, warmup: int, samples: int, barrier: Callable[[], None],

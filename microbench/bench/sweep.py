@@ -452,7 +452,7 @@ def _command_buffer_arm(cfg: SweepConfig, point: program.Point, short: program.C
     stats = latency_stats(_gather(program.time_calls(cb, cfg.warmup, cfg.samples, barrier, delay)))
     out["placement"] = _placement(cb, None, None)
   else:
-    short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm)
+    short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm, twin=False)
     long_cb = program.build_timed(coll, mesh, plan, count, dtype, long.reps, command_buffer=arm)
     out["placement"] = {"short": short_cb.verified.command_buffer, "long": long_cb.verified.command_buffer}
     graphs = command_buffer.GRAPH_WARMUP
@@ -492,11 +492,12 @@ def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, r
   if cfg.latency_mode:
     return program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm), None, None
   pool = _compile_pool()
-  # a compile-only target runs nothing, so the digested twins that check a run's values are not compiled
+  # a compile-only target runs nothing, so the digested twin that checks a run's values is not compiled; the
+  # short arm has none (time_pairs runs the long arm's)
   twin = not cfg.target
   jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype, command_buffer=arm),
           pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS, command_buffer=arm,
-                      twin=twin)]
+                      twin=False)]
   if reps:
     jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm, twin=twin))
   done = [j.result() for j in jobs]
