@@ -183,3 +183,41 @@ def test_graph_warm_up_calls_are_counted_in_the_chain(mesh):
   assert len(t_long) == 2
   assert program.check_timed(point, carry, *program.chain_reps(1, 2, 2, 8, graph_warmup=2))[0] == 0
   assert program.check_timed(point, carry, *program.chain_reps(1, 2, 2, 8))[0] == jax.device_count()
+
+
+def _compiles_in(fn) -> list[float]:
+  """XLA compiles (their seconds) while `fn` runs."""
+  from jax._src import dispatch, monitoring  # pylint: disable=import-outside-toplevel
+  seen = []
+
+  def listen(event, secs, **_):
+    if event == dispatch.BACKEND_COMPILE_EVENT:
+      seen.append(secs)
+  monitoring.register_event_duration_secs_listener(listen)
+  try:
+    fn()
+  finally:
+    monitoring.unregister_event_duration_listener(listen)
+  return seen
+
+
+@pytest.mark.parametrize("name,dtype", [("all_gather", "float32"), ("reduce_scatter", "bfloat16"), ("all_to_all", "int32")])
+def test_the_helpers_compiled_beside_a_point_leave_its_check_nothing_to_compile(mesh, name, dtype):
+  """The sweep compiles a point's helper programs (inputs, digests, comparison, zeros) beside its own: the check,
+  the timed calls and the timed check then compile nothing. Without them (the bug: a shape that does not
+  match the call's), the same steps compile."""
+  coll, plan = collectives.get(name), PLANS["global"]
+
+  def steps(count, precompile):
+    point = program.build_check(coll, mesh, plan, count, dtype)
+    short, long = (program.build_timed(coll, mesh, plan, count, dtype, k, twin=k > 2) for k in (2, 6))
+    if precompile:
+      program.precompile_helpers(point)
+
+    def run():
+      assert program.check(point) == 0
+      _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
+      assert program.check_timed(point, carry, *program.chain_reps(1, 2, 2, 6))[0] == 0
+    return run
+  assert _compiles_in(steps(8 * 24, True)) == []
+  assert _compiles_in(steps(8 * 40, False))

@@ -200,6 +200,21 @@ def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int
                                out_specs=out_specs, check_vma=False))
 
 
+def precompile(mesh: jax.sharding.Mesh, coll, family: Family, where: jax.Array, out_count: int, in_count: int,
+               n: int, wire_dtype: str | None, digest: Callable | None = None) -> None:
+  """Compiles the generator and (given `wire_dtype`) the quick comparison for these shapes ahead of their first
+  call, so a sweep can compile them beside the point's own programs (jit's cache then holds them): called
+  one after another, their compiles were seconds of a sweep's check time."""
+  tabs = _device_tables(mesh, family.key())
+  names = tuple(sorted(tabs))
+  _generator(mesh, family.key(), in_count, names).lower(where, tabs).compile()
+  if wire_dtype is not None:
+    y = jax.ShapeDtypeStruct((mesh.size * out_count,), jnp.dtype(family.dtype),
+                             sharding=jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
+    _comparison(mesh, coll, family.key(), out_count, in_count, n, wire_dtype, names, exact=False,
+                digest=digest).lower(y, where, tabs).compile()
+
+
 def compare(mesh: jax.sharding.Mesh, coll, family: Family, y: jax.Array, where: jax.Array, out_count: int,
             in_count: int, n: int, wire_dtype: str, digest: Callable | None = None):
   """[devices, 2] for this process's devices, by mesh position (others -1): wrong elements and the first wrong

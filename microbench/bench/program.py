@@ -384,6 +384,25 @@ def check(point: Point, compare: bool = True) -> int:
   return wrong
 
 
+def precompile_helpers(point: Point, compare: bool = True) -> None:
+  """Compiles the point's helper programs (the inputs' generator and digest, the comparison, the timed carry's
+  zeros and final digests) for its shapes before their first call: a sweep runs this beside the point's own
+  compiles (the calls later find them in jit's cache), where one after another they took seconds of every
+  sweep's check."""
+  mesh, dtype = point.mesh, DTYPES[point.dtype]
+  family = device_inputs.Family(point.collective.inputs, point.dtype, point.n, point.in_count)
+  device_inputs.precompile(mesh, point.collective, family, point.where(), point.out_count, point.in_count,
+                           point.n, point.wire_dtype if compare else None, digest)
+  _digest_all(mesh).lower(_spec(mesh, point.in_count, dtype)).compile()
+  counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype, point.platform)
+  for c in counts[1:]:
+    if c != point.out_count:  # the output slot starts as the check's output where the shapes agree
+      _zeros(mesh, c, dtype).lower().compile()
+  _zeros(mesh, 1, jnp.uint32).lower().compile()
+  if compare:
+    _slot_digests(mesh, len(counts)).lower(*(_spec(mesh, c, dtype) for c in counts)).compile()
+
+
 def run_check_program(point: Point, x: jax.Array) -> jax.Array:
   """One call of the check program on `x`, finished. In place, `x` is donated (gone after the call): the
   output stands in for the point's inputs until they are made again."""

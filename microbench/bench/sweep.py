@@ -500,8 +500,20 @@ def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, r
                       twin=False)]
   if reps:
     jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm, twin=twin))
+  helpers = None if cfg.target else pool.submit(_precompile_helpers, jobs[0], cfg.check)
   done = [j.result() for j in jobs]
+  if helpers is not None:
+    helpers.result()
   return done[0], done[1], done[2] if reps else None
+
+
+def _precompile_helpers(check_job: futures.Future, compare: bool) -> None:
+  """The point's helper programs compiled beside its own (program.precompile_helpers) once the check program
+  says the wire dtype. A failure here is left to the helper's own call, which raises it where it is recorded."""
+  try:
+    program.precompile_helpers(check_job.result(), compare)
+  except Exception:  # pylint: disable=broad-except
+    pass
 
 
 def _first_line(e: BaseException) -> str:
