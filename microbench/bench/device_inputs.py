@@ -202,13 +202,14 @@ def _comparison(mesh: jax.sharding.Mesh, coll, family_key: tuple, out_count: int
 
 def precompile(mesh: jax.sharding.Mesh, coll, family: Family, where: jax.Array, out_count: int, in_count: int,
                n: int, wire_dtype: str | None, digest: Callable | None = None) -> None:
-  """Compiles the generator and (given `wire_dtype`) the quick comparison for these shapes ahead of their first
-  call, so a sweep can compile them beside the point's own programs (jit's cache then holds them): called
-  one after another, their compiles were seconds of a sweep's check time."""
+  """Compiles the generator (without `wire_dtype`) or the quick comparison (with it) for these shapes ahead of
+  their first call, so a sweep can compile them beside the point's own programs (jit's cache then holds
+  them): called one after another, their compiles were seconds of a sweep's check time."""
   tabs = _device_tables(mesh, family.key())
   names = tuple(sorted(tabs))
-  _generator(mesh, family.key(), in_count, names).lower(where, tabs).compile()
-  if wire_dtype is not None:
+  if wire_dtype is None:
+    _generator(mesh, family.key(), in_count, names).lower(where, tabs).compile()
+  else:
     y = jax.ShapeDtypeStruct((mesh.size * out_count,), jnp.dtype(family.dtype),
                              sharding=jax.NamedSharding(mesh, jax.P(mesh.axis_names)))
     _comparison(mesh, coll, family.key(), out_count, in_count, n, wire_dtype, names, exact=False,

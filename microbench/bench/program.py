@@ -294,9 +294,18 @@ def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   figures), so it is never timed. `twin=False` (a compile-only target, where nothing runs to be checked): the
   timed program alone."""
   timed = _build_timed(coll, mesh, scope, count, dtype, reps, digest=False, command_buffer=command_buffer)
-  if twin and coll.digest_each(platform_of(mesh)):
-    timed.checked = _build_timed(coll, mesh, scope, count, dtype, reps, digest=True, command_buffer=command_buffer)
+  if twin:
+    timed.checked = build_twin(coll, mesh, scope, count, dtype, reps, command_buffer)
   return timed
+
+
+def build_twin(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str, reps: int,
+               command_buffer: cmdbuf.Arm | None = None) -> Compiled | None:
+  """The checked twin of build_timed's program alone (a sweep compiles the two side by side); None where the
+  platform digests nothing per repetition."""
+  if not coll.digest_each(platform_of(mesh)):
+    return None
+  return _build_timed(coll, mesh, scope, count, dtype, reps, digest=True, command_buffer=command_buffer)
 
 
 def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
@@ -384,23 +393,34 @@ def check(point: Point, compare: bool = True) -> int:
   return wrong
 
 
-def precompile_helpers(point: Point, compare: bool = True) -> None:
-  """Compiles the point's helper programs (the inputs' generator and digest, the comparison, the timed carry's
-  zeros and final digests) for its shapes before their first call: a sweep runs this beside the point's own
-  compiles (the calls later find them in jit's cache), where one after another they took seconds of every
-  sweep's check."""
-  mesh, dtype = point.mesh, DTYPES[point.dtype]
-  family = device_inputs.Family(point.collective.inputs, point.dtype, point.n, point.in_count)
-  device_inputs.precompile(mesh, point.collective, family, point.where(), point.out_count, point.in_count,
-                           point.n, point.wire_dtype if compare else None, digest)
-  _digest_all(mesh).lower(_spec(mesh, point.in_count, dtype)).compile()
-  counts = carry_counts(point.collective, point.in_count, point.out_count, point.dtype, point.platform)
-  for c in counts[1:]:
-    if c != point.out_count:  # the output slot starts as the check's output where the shapes agree
-      _zeros(mesh, c, dtype).lower().compile()
-  _zeros(mesh, 1, jnp.uint32).lower().compile()
+def helper_compiles(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
+                    compare: bool = True) -> list[Callable[[], None]]:
+  """A point's helper programs (the inputs' generator and digest, the timed carry's zeros and final digests),
+  each as a job that compiles it for the point's shapes before its first call: a sweep runs them beside the
+  point's own compiles (the calls later find them in jit's cache), where one after another at their first
+  call they took seconds of every sweep's check. The comparison waits for the check program
+  (`precompile_comparison`)."""
+  n, platform, dt = scope.group_size, platform_of(mesh), DTYPES[dtype]
+  in_count, out_count = coll.in_count(count, n), coll.out_count(count, n)
+  family = device_inputs.Family(coll.inputs, dtype, n, in_count)
+  where = device_inputs.where_array(mesh, scope.groups)
+  counts = carry_counts(coll, in_count, out_count, dtype, platform)
+  jobs = [lambda: device_inputs.precompile(mesh, coll, family, where, out_count, in_count, n, None),
+          lambda: _digest_all(mesh).lower(_spec(mesh, in_count, dt)).compile(),
+          lambda: _zeros(mesh, 1, jnp.uint32).lower().compile()]
+  # the output slot starts as the check's output where the shapes agree; other slots start as zeros
+  jobs += [functools.partial(lambda c: _zeros(mesh, c, dt).lower().compile(), c) for c in set(counts[1:]) - {out_count}]
   if compare:
-    _slot_digests(mesh, len(counts)).lower(*(_spec(mesh, c, dtype) for c in counts)).compile()
+    jobs.append(lambda: _slot_digests(mesh, len(counts)).lower(*(_spec(mesh, c, dt) for c in counts)).compile())
+  return jobs
+
+
+def precompile_comparison(point: Point) -> None:
+  """The quick comparison (with the output's digests) of `point`, compiled before its first call: it needs the
+  wire dtype the check program's HLO gives."""
+  family = device_inputs.Family(point.collective.inputs, point.dtype, point.n, point.in_count)
+  device_inputs.precompile(point.mesh, point.collective, family, point.where(), point.out_count, point.in_count,
+                           point.n, point.wire_dtype, digest)
 
 
 def run_check_program(point: Point, x: jax.Array) -> jax.Array:

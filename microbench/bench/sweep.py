@@ -4,6 +4,7 @@ finishes, every device step under the watchdog's deadline."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 import dataclasses
 from concurrent import futures
 import datetime
@@ -282,7 +283,7 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
             reps = int(_gather(np.asarray([reps])).min())
         t1 = time.perf_counter()
         try:
-          long = program.build_timed(coll, mesh, plan, count, dtype, reps, command_buffer=arm)
+          long = _submit_long(_compile_pool(), cfg, coll, mesh, plan, count, dtype, reps, arm)()
         except hlo_check.HloMismatch as e:
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
         rec["compile_s"] += time.perf_counter() - t1
@@ -486,32 +487,47 @@ def _compile_pool() -> futures.ThreadPoolExecutor:
 
 def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, reps: int | None,
                    arm: command_buffer.Arm | None = None):
-  """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long
-  arm, compiled concurrently: XLA compiles release the GIL, and the three are independent. `arm`: XLA:GPU's
-  command buffers for all of them (None: XLA's default)."""
+  """The check program and, unless in latency mode, the short arm and (when `reps` is known) the long arm
+  with its checked twin, compiled concurrently with the point's helper programs (program.helper_compiles):
+  XLA compiles release the GIL, and all of them are independent but the comparison, which waits for the check
+  program's wire dtype. `arm`: XLA:GPU's command buffers for all of them (None: XLA's default)."""
   if cfg.latency_mode:
     return program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm), None, None
   pool = _compile_pool()
-  # a compile-only target runs nothing, so the digested twin that checks a run's values is not compiled; the
-  # short arm has none (time_pairs runs the long arm's)
-  twin = not cfg.target
-  jobs = [pool.submit(program.build_check, coll, mesh, plan, count, dtype, command_buffer=arm),
-          pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS, command_buffer=arm,
-                      twin=False)]
-  if reps:
-    jobs.append(pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm, twin=twin))
-  helpers = None if cfg.target else pool.submit(_precompile_helpers, jobs[0], cfg.check)
-  done = [j.result() for j in jobs]
-  if helpers is not None:
-    helpers.result()
-  return done[0], done[1], done[2] if reps else None
+  check = pool.submit(program.build_check, coll, mesh, plan, count, dtype, command_buffer=arm)
+  short = pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS, command_buffer=arm,
+                      twin=False)  # the short arm has no twin: time_pairs runs the long arm's
+  # a compile-only target runs nothing: no twin to check a run's values, no helper to make or compare them
+  long = _submit_long(pool, cfg, coll, mesh, plan, count, dtype, reps, arm) if reps else None
+  helpers = [] if cfg.target else [pool.submit(_quietly, job) for job in
+                                   program.helper_compiles(coll, mesh, plan, count, dtype, cfg.check)]
+  if cfg.check and not cfg.target:
+    helpers.append(pool.submit(_quietly, lambda: program.precompile_comparison(check.result())))
+  point, short = check.result(), short.result()
+  long = long() if long else None
+  for job in helpers:
+    job.result()
+  return point, short, long
 
 
-def _precompile_helpers(check_job: futures.Future, compare: bool) -> None:
-  """The point's helper programs compiled beside its own (program.precompile_helpers) once the check program
-  says the wire dtype. A failure here is left to the helper's own call, which raises it where it is recorded."""
+def _submit_long(pool: futures.ThreadPoolExecutor, cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str,
+                 reps: int, arm: command_buffer.Arm | None) -> Callable[[], program.Compiled]:
+  """The long arm and its checked twin compiling side by side; returns what waits for both."""
+  plain = pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm, twin=False)
+  twin = None if cfg.target else pool.submit(program.build_twin, coll, mesh, plan, count, dtype, reps, arm)
+
+  def result() -> program.Compiled:
+    prog = plain.result()
+    prog.checked = twin.result() if twin else None
+    return prog
+  return result
+
+
+def _quietly(job: Callable[[], None]) -> None:
+  """A helper's compile ahead of its call. A failure is left to the helper's own call, which raises it where
+  the point records it."""
   try:
-    program.precompile_helpers(check_job.result(), compare)
+    job()
   except Exception:  # pylint: disable=broad-except
     pass
 
