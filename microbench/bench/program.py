@@ -410,8 +410,9 @@ def helper_compiles(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan,
           lambda: _zeros(mesh, 1, jnp.uint32).lower().compile()]
   # the output slot starts as the check's output where the shapes agree; other slots start as zeros
   jobs += [functools.partial(lambda c: _zeros(mesh, c, dt).lower().compile(), c) for c in set(counts[1:]) - {out_count}]
-  if compare:
-    jobs.append(lambda: _slot_digests(mesh, len(counts)).lower(*(_spec(mesh, c, dt) for c in counts)).compile())
+  if compare:  # the timed check's digests of the final carry: one program per slot length, the inputs' is above
+    jobs += [functools.partial(lambda c: _digest_all(mesh).lower(_spec(mesh, c, dt)).compile(), c)
+             for c in set(counts) - {in_count}]
   return jobs
 
 
@@ -431,15 +432,6 @@ def run_check_program(point: Point, x: jax.Array) -> jax.Array:
   if point.collective.inplace and point.x is x:
     point.x = None
   return y
-
-
-@functools.lru_cache(maxsize=8)
-def _slot_digests(mesh: jax.sharding.Mesh, slots: int) -> Callable:
-  """The final carry's data slots -> each rank's digest of each, [devices x slots], sharded like the carry."""
-  def per_device(*xs):
-    return jnp.concatenate([digest(x) for x in xs])
-  return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=tuple(jax.P(mesh.axis_names) for _ in range(slots)),
-                               out_specs=jax.P(mesh.axis_names), check_vma=False))
 
 
 def expected_acc(sequence: list[int], reps: int) -> int:
@@ -524,8 +516,8 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int,
     return None, (f"not compared: a {point.dtype} {coll.name} repeated on {platform} chains its outputs, and no known"
                   " buffer holds them (the check program's exact comparison stands for the op)")
   slots, acc = carry[:-1], carry[-1]
-  final = _slot_digests(point.mesh, len(slots))(*slots)
-  final_by_device = {s.device: np.asarray(s.data) for s in final.addressable_shards}
+  # [devices, slots] by mesh position: the inputs' digest program serves every slot of their length
+  final = np.stack([np.asarray(_digest_all(point.mesh)(s)) for s in slots], axis=1)
   where = _where(point.scope)
   period, each = coll.period(n), coll.digest_each(platform)
   wrong = 0
@@ -540,7 +532,7 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int,
     want_acc = expected_acc([known(coll.rep_output(rank, offset + k, n, platform)) for k in range(1, period + 1)],
                             count) if each else 0
     want_final = [known(b) for b in coll.final_carry(rank, reps, n, platform)]
-    got_acc, got_final = int(np.asarray(shard.data)[0]), [int(v) for v in final_by_device[shard.device]]
+    got_acc, got_final = int(np.asarray(shard.data)[0]), [int(v) for v in final[shard.index[0].start or 0]]
     wrong += got_acc != want_acc or got_final != want_final
   if not each:
     return wrong, (f"the final output after the {reps} repetitions compared (digest); on {platform} the"
