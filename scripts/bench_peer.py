@@ -8,13 +8,15 @@ rest).
     python scripts/bench_peer.py --rounds=3 --peer_python=/tmp/peervenv/bin/python
 
 Both run as fresh processes (imports, device start-up and compiles included, as a user pays them) on 8 CPU
-devices, one group of all of them: all-reduce, all-gather, reduce-scatter and all-to-all, float32, 1, 4, 16 and
-64 MiB per device. The peer runs one process per collective (its loader takes one benchmark kind per config),
-with its defaults (10 warm-up and 10 timed calls per point, no check of the results) and the `matrix_dim` that
-gives the toolkit's size S (nccl-tests' convention: the all-gather's output, the reduce-scatter's input): its
-buffer is matrix_dim x 8 x 128 per device (the reduce-scatter's n x matrix_dim x 256), so S / 4096, the
-all-gather's S / (4096 n) and the reduce-scatter's S / (1024 n). Without `--peer_python` only the toolkit runs. Prints a Markdown table; figures go to
-docs/measured-figures.md under this command.
+devices, one group of all of them: all-reduce, all-gather, reduce-scatter and all-to-all, float32, 1, 4, 16
+and 64 MiB per device. The toolkit runs twice per round: cold (an empty compilation cache, a first run: the
+comparison that counts) and warm (the same sweep again, its programs loaded from the cache the cold run
+filled). The peer runs one process per collective (its loader takes one benchmark kind per config), with its
+defaults (10 warm-up and 10 timed calls per point, no check of the results) and the `matrix_dim` that gives
+the toolkit's size S (nccl-tests' convention: the all-gather's output, the reduce-scatter's input): its buffer
+is matrix_dim x 8 x 128 per device (the reduce-scatter's n x matrix_dim x 256), so S / 4096, the all-gather's
+S / (4096 n) and the reduce-scatter's S / (1024 n). Without `--peer_python` only the toolkit runs. Prints a
+Markdown table; figures go to docs/measured-figures.md under this command.
 """
 
 from __future__ import annotations
@@ -40,11 +42,15 @@ flags.DEFINE_string("min_bytes", "1M", "smallest message per device")
 flags.DEFINE_string("max_bytes", "64M", "largest message per device")
 flags.DEFINE_integer("step_factor", 4, "size step")
 flags.DEFINE_integer("devices", 8, "CPU devices (one node, one group)")
+flags.DEFINE_bool("warm", True, "Also run the toolkit a second time per round on the compilation cache the first"
+                  " run filled (a rerun of the same sweep); the first run always starts from an empty cache")
 
 
-def _toolkit(outdir: str, per_point: dict) -> dict[str, float]:
+def _toolkit(outdir: str, per_point: dict, cache: str) -> dict[str, float]:
+  """One toolkit sweep as a fresh process with its compilation cache in `cache` (empty: a first run)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.devices))
   cmd = [sys.executable, "-c", "from microbench.cli.bench import run; run()", f"--topology=nodes:1,gpus:{FLAGS.devices}",
+         f"--compilation_cache={cache}",
          f"--collectives={FLAGS.collectives}", "--scopes=global", "--dtype=float32", f"--min_bytes={FLAGS.min_bytes}",
          f"--max_bytes={FLAGS.max_bytes}", f"--step_factor={FLAGS.step_factor}", f"--outdir={outdir}"]
   t0 = time.perf_counter()
@@ -114,22 +120,36 @@ def main(argv):
   rows, ours, theirs = [], {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     for k in range(FLAGS.rounds):
-      rows.append({"round": k + 1, **_toolkit(os.path.join(tmp, f"r{k}"), ours),
-                   "peer_s": _peer(tmp, theirs) if FLAGS.peer_python else None})
-      print(f"# round {k + 1}: {rows[-1]}", file=sys.stderr, flush=True)
-  print("| round | toolkit wall (s) | compile | check | timed check | timed ops | rest | peer wall (s) | toolkit / peer |")
-  print("|---|---|---|---|---|---|---|---|---|")
-  for r in rows:
-    rest = r["wall_s"] - r["compile_s"] - r["check_s"] - r["timed_check_s"] - r["timed_ops_s"]
-    ratio = f"{r['wall_s'] / r['peer_s']:.2f}" if r["peer_s"] else "-"
-    peer = f"{r['peer_s']:.1f}" if r["peer_s"] else "-"
-    print(f"| {r['round']} | {r['wall_s']:.1f} ({r['points']} points, {r['wrong']} wrong) | {r['compile_s']:.1f} |"
-          f" {r['check_s']:.1f} | {r['timed_check_s']:.1f} | {r['timed_ops_s']:.1f} | {rest:.1f} | {peer} | {ratio} |")
-  med = statistics.median(r["wall_s"] for r in rows)
+      cache = os.path.join(tmp, f"cache{k}")  # empty: the cold arm compiles every program into it
+      row = {"round": k + 1, "cold": _toolkit(os.path.join(tmp, f"r{k}"), ours, cache),
+             "warm": _toolkit(os.path.join(tmp, f"w{k}"), ours, cache) if FLAGS.warm else None,
+             "peer_s": _peer(tmp, theirs) if FLAGS.peer_python else None}
+      rows.append(row)
+      print(f"# round {k + 1}: {row}", file=sys.stderr, flush=True)
+  print("| round | arm | toolkit wall (s) | compile | check | timed check | timed ops | rest | peer wall (s) |"
+        " toolkit / peer |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for row in rows:
+    for arm in ("cold", "warm"):
+      r = row[arm]
+      if r is None:
+        continue
+      rest = r["wall_s"] - r["compile_s"] - r["check_s"] - r["timed_check_s"] - r["timed_ops_s"]
+      ratio = f"{r['wall_s'] / row['peer_s']:.2f}" if row["peer_s"] else "-"
+      peer = f"{row['peer_s']:.1f}" if row["peer_s"] else "-"
+      print(f"| {row['round']} | {arm} | {r['wall_s']:.1f} ({r['points']} points, {r['wrong']} wrong) |"
+            f" {r['compile_s']:.1f} | {r['check_s']:.1f} | {r['timed_check_s']:.1f} | {r['timed_ops_s']:.1f} |"
+            f" {rest:.1f} | {peer} | {ratio} |")
   peer_med = statistics.median(r["peer_s"] for r in rows) if FLAGS.peer_python else None
-  print(f"\nmedian toolkit wall {med:.1f} s" + (f", peer {peer_med:.1f} s, ratio {med / peer_med:.2f}" if peer_med else ""))
+  print()
+  for arm in ("cold", "warm"):
+    if rows[0][arm] is None:
+      continue
+    med = statistics.median(r[arm]["wall_s"] for r in rows)
+    print(f"median toolkit wall ({arm}) {med:.1f} s" + (f", peer {peer_med:.1f} s, ratio {med / peer_med:.2f}"
+                                                        if peer_med else ""))
   if theirs:
-    print("\n| point | toolkit per operation (us, median of rounds) | peer per call (p50, us) | peer / toolkit |")
+    print("\n| point | toolkit per operation (us, median of rounds and arms) | peer per call (p50, us) | peer / toolkit |")
     print("|---|---|---|---|")
     for key in sorted(ours, key=lambda k: (k[0], k[1])):
       if key in theirs:

@@ -10,7 +10,17 @@ import sys
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The CLI's --compilation_cache=auto: one folder per test process (each xdist worker its own), removed at exit, so
+# the suite's many sweeps of the same shapes load their programs and nothing lands in ~/.cache.
+if "MICROBENCH_COMPILATION_CACHE" not in os.environ:
+  os.environ["MICROBENCH_COMPILATION_CACHE"] = tempfile.mkdtemp(prefix="microbench-test-xla-")
+  atexit.register(shutil.rmtree, os.environ["MICROBENCH_COMPILATION_CACHE"], ignore_errors=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -372,3 +372,49 @@ def test_nccl_debug_captures_into_the_run_folder_and_says_when_there_is_nothing(
   assert meta["nccl"]["warnings"] == ["NCCL wrote no INFO lines: no NCCL communicator ran (a CPU run), or"
                                       " NCCL_DEBUG_FILE points elsewhere"]
   assert "# NCCL: NCCL wrote no INFO lines" in r.stdout
+
+
+def test_a_rerun_loads_its_programs_from_the_compilation_cache(tmp_path):
+  """--compilation_cache: the first run compiles every program into the folder, the same sweep again loads every
+  one (JAX's own log: hits, no miss) and still checks them (HLO and values); none keeps the folder out. Were the
+  cache keeping only JAX's default (compiles over a second), the rerun would miss every program."""
+  cache = tmp_path / "xla"
+  args = ["--collectives=all_gather,all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K",
+          f"--compilation_cache={cache}"]
+  runs = [run_cli([*args, f"--outdir={tmp_path / name}"], JAX_EXPLAIN_CACHE_MISSES="1", JAX_LOG_COMPILES="1")
+          for name in ("a", "b")]
+  for proc in runs:
+    assert proc.returncode == 0, proc.stderr[-2000:]
+  first, second = (p.stderr for p in runs)
+  assert "PERSISTENT COMPILATION CACHE MISS" in first
+  assert "Persistent compilation cache hit" in second and "PERSISTENT COMPILATION CACHE MISS" not in second
+  entries = sorted(os.listdir(cache))
+  for name in ("a", "b"):
+    with open(tmp_path / name / "meta.json", encoding="utf-8") as f:
+      assert json.load(f)["compilation_cache"] == str(cache)
+    with open(tmp_path / name / "results.jsonl", encoding="utf-8") as f:
+      rows = [json.loads(line) for line in f]
+    assert len(rows) == 4 and all(r["status"] == "ok" and r["wrong"] == 0 and r["timed_wrong"] == 0 and r["hlo"]
+                                  for r in rows)
+  off = run_cli([*args[:-1], "--compilation_cache=none", f"--outdir={tmp_path / 'c'}", "--min_bytes=4K",
+                 "--max_bytes=4K"])
+  assert off.returncode == 0, off.stderr[-2000:]
+  with open(tmp_path / "c" / "meta.json", encoding="utf-8") as f:
+    assert json.load(f)["compilation_cache"] == "off (--compilation_cache=none)"
+  assert sorted(os.listdir(cache)) == entries
+
+
+def test_the_compilation_cache_stays_off_where_a_real_compile_is_read(monkeypatch):
+  from microbench.target import compile_cache  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("MICROBENCH_COMPILATION_CACHE", "/x/cache")
+  monkeypatch.delenv("XLA_FLAGS", raising=False)
+  assert compile_cache.resolve("auto", None, "no") == ("/x/cache", "/x/cache")
+  assert compile_cache.resolve("/y", None, "no")[0] == "/y"
+  assert compile_cache.resolve("None", None, "no")[0] is None
+  assert "compile-only" in compile_cache.resolve("auto", "h100", "no")[1]
+  assert "thunk" in compile_cache.resolve("auto", None, "yes")[1]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  assert "dump" in compile_cache.resolve("auto", None, "no")[1]
+  monkeypatch.delenv("MICROBENCH_COMPILATION_CACHE")
+  monkeypatch.setenv("XDG_CACHE_HOME", "/c")
+  assert compile_cache.default_dir() == "/c/microbench/xla"

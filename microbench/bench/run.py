@@ -23,7 +23,7 @@ from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta, nccl_log
 from microbench.fabric import tpu_kinds
-from microbench.target import compile_only, tpu_compile_only
+from microbench.target import compile_cache, compile_only, tpu_compile_only
 
 # Per device a point holds the known inputs, the check's output, then the loop carry and the body's
 # temporary (all-gather: its input shard too): about 4 S at the peak.
@@ -90,7 +90,9 @@ def _nccl_facts(outdir: str, meta: dict[str, Any], out: run_folder.RunOutputs) -
 
 def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
             nodes_per_rack: int | None, flag_values: dict[str, Any],
-            cluster: distributed.Settings = distributed.Settings()) -> int:
+            cluster: distributed.Settings = distributed.Settings(), compilation_cache: str = compile_cache.OFF) -> int:
+  """Runs (or, for a target, compiles) the sweep into `outdir`; returns the exit code. `compilation_cache`:
+  --compilation_cache (compile_cache.resolve; off for API callers unless asked)."""
   target = None
   tpu = machine.is_tpu_target(cfg.target)
   if cfg.target:  # compile-only devices of a GPU kind: nothing runs, no processes to join
@@ -119,6 +121,12 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   refused = None if target else command_buffer.refusal(cfg.command_buffer, mesh.devices.flat[0].platform)
   if refused:
     raise app.UsageError(refused)
+  cache_dir, cache_note = compile_cache.resolve(compilation_cache, cfg.target, cfg.command_buffer)
+  if cache_dir:
+    try:
+      compile_cache.enable(cache_dir)
+    except OSError as e:  # an unwritable folder: the sweep compiles as without the cache
+      cache_dir, cache_note = None, f"off: {cache_dir}: {e.strerror}"
   if cfg.max_bytes is None:  # --max_bytes=auto
     platform = mesh.devices.flat[0].platform
     cfg = dataclasses.replace(cfg, max_bytes=sizes.default_max_bytes(platform, cfg.min_bytes))
@@ -158,6 +166,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
       "expected": {**found.describe(), "low_ratio": expected.LOW_RATIO,
                    "scopes": {name: m.describe() for name, m in models.items()}} if expects else None,
       "target": target.describe() if target else None,
+      "compilation_cache": cache_note,
       "environment": environment.capture(hosts) if out.enabled else None,
   }
   out.write_meta(meta)
@@ -179,6 +188,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   if expects:
     out.print(expected.summary_line(found))
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
+  if cache_dir:
+    out.print(f"# compilation cache {cache_dir}: a program compiled by an earlier run is loaded (--compilation_cache)")
   if resumed:
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
   records: list[dict[str, Any]] = []

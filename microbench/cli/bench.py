@@ -52,7 +52,8 @@ flags.DEFINE_integer("iters", 20, "Operations in the long timed program (even; t
                      " is set. 1 = latency mode: every sample is one operation, dispatch included.")
 flags.DEFINE_float("sample_ms", 20.0, "Use fewer operations in the long program (down to 6) for operations that"
                    " are already long, so one of its calls lasts about this long; 0 always uses --iters.")
-flags.DEFINE_integer("warmup", 1, "Untimed calls of each timed program per point.")
+flags.DEFINE_integer("warmup", 1, "Untimed calls per point before the timed ones: the long program's checked twin"
+                     " (every repetition's output digested); with 0 it runs once after them.")
 flags.DEFINE_integer("samples", 10, "Timed pairs of calls (short, long) per point, or single operations with"
                      " --iters=1: median, min, max over these.")
 flags.DEFINE_float("hang_timeout", 120.0, "Watchdog floor in seconds: a device step that runs longer than this"
@@ -69,7 +70,12 @@ flags.DEFINE_enum("command_buffer", "no", list(command_buffer.SETTINGS), "XLA:GP
                   " one (checked in the compiled program) and launches that; both times the point without and with"
                   " them (time_us and time_us_command_buffer, a cmdbuf(us) column). no (default): none at all,"
                   " every operation launched on its own, as nccl-tests without -G. GPUs and --target only.")
-flags.DEFINE_bool("check", True, "Check every point's result against a NumPy reference.")
+flags.DEFINE_bool("check", True, "Check every point's results exactly against known inputs (on the devices): the"
+                  " check program's every element, the timed calls' outputs by digest.")
+flags.DEFINE_string("compilation_cache", "auto", "JAX's persistent compilation cache: a rerun of a sweep loads its"
+                    " programs instead of compiling them (never timed either way). auto: $MICROBENCH_COMPILATION_CACHE,"
+                    " else ~/.cache/microbench/xla; a folder; none: off. Always off with --target, --command_buffer"
+                    " or an --xla_dump_to in XLA_FLAGS, where a real compile is read.")
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (nodes per rack, gpus per node)."
                     " Default: from the processes' hosts; a single CPU process emulates nodes:2,gpus:4.")
 flags.DEFINE_string("link_peaks", None, "Link peak per fabric level in GB/s per direction per rank, or a link"
@@ -240,7 +246,8 @@ def main(argv: list[str]) -> int:
                          f" with --resume={outdir}")
   flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
   code = bench_run.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume), nodes_per_rack=FLAGS.nodes_per_rack,
-                           flag_values=flag_values, cluster=cluster_flags.settings())
+                           flag_values=flag_values, cluster=cluster_flags.settings(),
+                           compilation_cache=FLAGS.compilation_cache)
   if code == bench_run.JOB_FAILED:
     # A peer is gone: skip jax.distributed's shutdown barrier, which would only wait for it and abort.
     sys.stdout.flush()
