@@ -336,8 +336,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
-  """Every collective and operator, float32 and int32: 36 repetitions (a warm-up and two pairs of the 2- and
-  10-repetition programs) all compared on CPU."""
+  """Every collective and operator, float32 and int32: 34 repetitions (the long program's twin as warm-up and
+  two pairs of the 2- and 10-repetition programs) all compared on CPU."""
   plan = PLANS["scale_up"]
   for name in collectives.REGISTRY:
     for dtype in ("float32", "int32"):
@@ -348,12 +348,13 @@ def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
       point = program.build_check(coll, mesh, plan, count, dtype)
       assert program.check(point) == 0
       assert _timed_and_checked(mesh, coll, point, count, dtype) == (0, (
-          "every output of the 12 checked repetitions (the untimed twins) and the final output after all 36"
+          "every output of the 10 checked repetitions (the untimed twins) and the final output after all 34"
           " compared (digests)")), (name, dtype)
 
 
 def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None):
-  """One warm-up and two timed pairs of the 2- and `long_reps`-repetition programs, then the timed check."""
+  """One warm-up (the long program's twin) and two timed pairs of the 2- and `long_reps`-repetition programs, then
+  the timed check."""
   plan = plan or PLANS["scale_up"]
   short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, long_reps))
   _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)

@@ -137,6 +137,11 @@ def _device_tables(mesh: jax.sharding.Mesh, family_key: tuple) -> dict[str, jax.
   return {k: jax.device_put(v, jax.NamedSharding(mesh, jax.P())) for k, v in Family(*family_key).host_tables.items()}
 
 
+def device_tables(mesh: jax.sharding.Mesh, family: Family) -> dict[str, jax.Array]:
+  """The family's tables on every device (put once; see _device_tables)."""
+  return _device_tables(mesh, family.key())
+
+
 @functools.lru_cache(maxsize=16)
 def _generator(mesh: jax.sharding.Mesh, family_key: tuple, per_rank: int, names: tuple) -> Callable:
   family = Family(*family_key)

@@ -394,34 +394,33 @@ def check(point: Point, compare: bool = True) -> int:
 
 
 def helper_compiles(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
-                    compare: bool = True) -> list[Callable[[], None]]:
-  """A point's helper programs (the inputs' generator and digest, the timed carry's zeros and final digests),
-  each as a job that compiles it for the point's shapes before its first call: a sweep runs them beside the
-  point's own compiles (the calls later find them in jit's cache), where one after another at their first
-  call they took seconds of every sweep's check. The comparison waits for the check program
-  (`precompile_comparison`)."""
+                    wire_dtype: Callable[[], str] | None = None) -> list[Callable[[], None]]:
+  """A point's helper programs (the inputs' generator and digest, the timed carry's zeros and, given
+  `wire_dtype`, the comparison and the final digests), each as a job that compiles it for the point's shapes
+  before its first call: a sweep runs them beside the point's own compiles (the calls later find them in jit's
+  cache), where one after another at their first call they took seconds of every sweep's check.
+  `wire_dtype` waits for the check program's HLO (the comparison rounds as it does). The arrays the helpers
+  take (the family's tables, each device's place) are put on the devices here, in the caller's thread: in a
+  multi-process job a device_put is a collective, and every process must issue its collectives in one order
+  (put from the compile threads, two processes deadlocked)."""
   n, platform, dt = scope.group_size, platform_of(mesh), DTYPES[dtype]
   in_count, out_count = coll.in_count(count, n), coll.out_count(count, n)
   family = device_inputs.Family(coll.inputs, dtype, n, in_count)
   where = device_inputs.where_array(mesh, scope.groups)
+  device_inputs.device_tables(mesh, family)
   counts = carry_counts(coll, in_count, out_count, dtype, platform)
   jobs = [lambda: device_inputs.precompile(mesh, coll, family, where, out_count, in_count, n, None),
           lambda: _digest_all(mesh).lower(_spec(mesh, in_count, dt)).compile(),
           lambda: _zeros(mesh, 1, jnp.uint32).lower().compile()]
   # the output slot starts as the check's output where the shapes agree; other slots start as zeros
   jobs += [functools.partial(lambda c: _zeros(mesh, c, dt).lower().compile(), c) for c in set(counts[1:]) - {out_count}]
-  if compare:  # the timed check's digests of the final carry: one program per slot length, the inputs' is above
+  if wire_dtype is not None:
+    jobs.append(lambda: device_inputs.precompile(mesh, coll, family, where, out_count, in_count, n, wire_dtype(),
+                                                 digest))
+    # the timed check's digests of the final carry: one program per slot length, the inputs' is above
     jobs += [functools.partial(lambda c: _digest_all(mesh).lower(_spec(mesh, c, dt)).compile(), c)
              for c in set(counts) - {in_count}]
   return jobs
-
-
-def precompile_comparison(point: Point) -> None:
-  """The quick comparison (with the output's digests) of `point`, compiled before its first call: it needs the
-  wire dtype the check program's HLO gives."""
-  family = device_inputs.Family(point.collective.inputs, point.dtype, point.n, point.in_count)
-  device_inputs.precompile(point.mesh, point.collective, family, point.where(), point.out_count, point.in_count,
-                           point.n, point.wire_dtype, digest)
 
 
 def run_check_program(point: Point, x: jax.Array) -> jax.Array:

@@ -499,10 +499,9 @@ def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, r
                       twin=False)  # the short arm has no twin: time_pairs runs the long arm's
   # a compile-only target runs nothing: no twin to check a run's values, no helper to make or compare them
   long = _submit_long(pool, cfg, coll, mesh, plan, count, dtype, reps, arm) if reps else None
+  wire_dtype = (lambda: check.result().wire_dtype) if cfg.check else None
   helpers = [] if cfg.target else [pool.submit(_quietly, job) for job in
-                                   program.helper_compiles(coll, mesh, plan, count, dtype, cfg.check)]
-  if cfg.check and not cfg.target:
-    helpers.append(pool.submit(_quietly, lambda: program.precompile_comparison(check.result())))
+                                   program.helper_compiles(coll, mesh, plan, count, dtype, wire_dtype)]
   point, short = check.result(), short.result()
   long = long() if long else None
   for job in helpers:
