@@ -13,8 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import pytest  # noqa: E402
 
 # The CLI's --compilation_cache=auto is off in the suite: every test's sweep compiles what it checks, nothing lands
-# in ~/.cache, and no test depends on another's entries (a per-process folder made CI's slow group 1070 s
-# against 940-1000 s: writing every program cost more than the hits saved). The cache's own test names a folder.
+# in ~/.cache, and no test depends on another's entries. The cache's own test names a folder.
 os.environ.setdefault("MICROBENCH_COMPILATION_CACHE", "none")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
