@@ -357,16 +357,18 @@ def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None)
   the timed check."""
   plan = plan or PLANS["scale_up"]
   short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, long_reps))
-  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
-  return program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps))
+  period = coll.period(plan.group_size)
+  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None, period=period)
+  return program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps, period=period))
 
 
-def test_on_gpus_an_all_reduce_chains_and_says_what_it_cannot_know():
-  """XLA:GPU runs an all-reduce in place: held inputs would cost a copy per repetition, a digest of each
-  output too (tests/test_gpu_compile.py reads the HLO). Chained, max and min stay exact; a sum does not."""
+def test_on_gpus_an_all_reduce_chains_and_is_compared_with_one_operation_where_nothing_known_holds_it():
+  """XLA:GPU runs an all-reduce in place: held inputs would cost a copy per repetition (tests/test_gpu_compile.py
+  reads the HLO). Chained, max and min stay exact; a sum does not: its twin compares each repetition with one
+  operation on its input."""
   for op in ("sum", "prod", "avg"):
     coll = collectives.with_op("all_reduce", op)
-    assert coll.feedback_on("gpu") == "chain" and not coll.digest_each("gpu")
+    assert coll.feedback_on("gpu") == "chain" and coll.compared_to_op(4, "gpu") and not coll.compared_to_op(4, "cpu")
     assert coll.rep_output(0, 5, 4, "gpu") is None and coll.rep_output(0, 5, 4, "cpu") == ("out", 0)
   for op in ("max", "min"):
     assert collectives.with_op("all_reduce", op).final_carry(1, 36, 4, "gpu") == (("out", 1),)

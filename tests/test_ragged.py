@@ -19,7 +19,7 @@ from meshes.mesh import build_mesh, ordered_devices
 from meshes.scopes import SCOPES, plan_scopes
 from meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program, ragged_sizes
-from microbench.bench.known_inputs import GroupInputs
+from microbench.bench.known_inputs import FILL, GroupInputs
 from microbench.fabric import conventions
 from microbench.target import compile_only
 from microbench.train import dispatch
@@ -87,11 +87,11 @@ def test_streamed_expectation_equals_the_reference(name):
   for n in (1, 2, 3, 5):
     inputs = GroupInputs("data", "float32", n, group_index=2)
     for count in (1, 7, 101):
-      ref = coll.reference(np.stack([inputs.rank(r, 0, count) for r in range(n)]))
+      ref = coll.reference(np.stack([inputs.rank(r, 0, count) for r in range(n)]), fill=FILL["float32"])
       lay = coll.layout(count, n)
       assert ref.shape == (n, lay.out_count)
       for r in range(n):
-        assert (ref[r, lay.received[r]:] == 0).all()  # the unused tail: the zeroed buffer
+        assert (ref[r, lay.received[r]:] == FILL["float32"]).all()  # the unused tail: the buffer's fill
         for a, b in [(0, ref.shape[1]), (3, ref.shape[1] - 2), (17, 18), (5, 5)]:
           if b > ref.shape[1] or a > b:
             continue
@@ -183,10 +183,10 @@ class WrongEverySecond(collectives.RaggedAllToAll):
 
   def step(self, carry, axes, n, platform):
     self._calls = getattr(self, "_calls", 0) + 1
-    (x, buf), y = super().step(carry, axes, n, platform)
+    slots, y = super().step(carry, axes, n, platform)
     if self._calls % 2 == 0:
       y = y.at[-1].add(1)
-    return (x, y), y
+    return (*slots[:-1], y), y
 
 
 class SkipsEverySecond(collectives.RaggedAllToAll):
@@ -196,7 +196,7 @@ class SkipsEverySecond(collectives.RaggedAllToAll):
   def step(self, carry, axes, n, platform):
     self._calls = getattr(self, "_calls", 0) + 1
     if self._calls % 2 == 0:
-      return carry, carry[1]
+      return carry, carry[-1]
     return super().step(carry, axes, n, platform)
 
 
@@ -204,8 +204,8 @@ def _timed(mesh, coll, plan, dtype="float32", long_reps=6):
   point = program.build_check(coll, mesh, plan, COUNT, dtype)
   wrong_check = program.check(point)
   short, long = (program.build_timed(coll, mesh, plan, COUNT, dtype, k) for k in (2, long_reps))
-  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
-  wrong, _ = program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps))
+  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None, period=2)
+  wrong, _ = program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps, period=2))
   return wrong_check, wrong
 
 

@@ -123,8 +123,9 @@ def _timed(mesh, coll, plan, dtype, long_reps):
   point = program.build_check(coll, mesh, plan, count, dtype)
   wrong_check = program.check(point)
   short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, long_reps))
-  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None)
-  wrong, note = program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps))
+  period = coll.period(plan.group_size)
+  _, _, carry = program.time_pairs(short, long, program.initial_carry(point), 1, 2, lambda: None, period=period)
+  wrong, note = program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps, period=period))
   return wrong_check, wrong, note
 
 
@@ -138,9 +139,10 @@ def test_a_collective_wrong_only_in_some_timed_repetitions_is_caught(mesh, mutan
   assert wrong_check == 0  # right as one operation: the check program can't see it
   assert wrong == jax.device_count(), (wrong, note)  # every rank's sequence of outputs differs
   real = collectives.get(next(c for c in mutant.__mro__ if c.__module__ == collectives.__name__).name)
+  reps, (_, digested) = program.chain_reps(1, 2, 2, long_reps, period=real.period(plan.group_size))
   assert _timed(mesh, real, plan, dtype, long_reps)[1:] == (0, (
-      f"every output of the {long_reps} checked repetitions (the untimed twins) and the final output after"
-      f" all {long_reps + 2 * (2 + long_reps)} compared (digests)"))
+      f"every output of the {digested} checked repetitions (the untimed twins of both arms, at least one period of"
+      f" the chain) and the final output of the timed calls after all {reps} compared (digests)"))
 
 
 @pytest.mark.parametrize("mutant", [AllToAllIdleEverySecond, PPermuteMovesNothing], ids=lambda m: m.name)
@@ -153,7 +155,7 @@ def test_a_collective_skipped_in_the_loop_fails_the_hlo_check(mesh, mutant):
 def test_a_digest_that_ignored_the_repetitions_would_miss_them(mesh, monkeypatch):
   """The check's own mutation: with the fold keeping the accumulator as it was (only the final carry compared),
   the all-gather wrong on the first repetition of each pair passes: its final carry is right."""
-  monkeypatch.setattr(program, "fold", lambda acc, y: acc)
+  monkeypatch.setattr(program, "fold", lambda acc, y, reference=None: acc)
   monkeypatch.setattr(program, "expected_acc", lambda sequence, reps: 0)
   assert _timed(mesh, GatherCorruptFirst(), PLANS["global"], "float32", 6)[1] == 0
 
@@ -210,7 +212,7 @@ def test_the_helpers_compiled_beside_a_point_leave_its_check_nothing_to_compile(
 
   def steps(count, precompile):
     point = program.build_check(coll, mesh, plan, count, dtype)
-    short, long = (program.build_timed(coll, mesh, plan, count, dtype, k, twin=k > 2) for k in (2, 6))
+    short, long = (program.build_timed(coll, mesh, plan, count, dtype, k) for k in (2, 6))
     if precompile:
       for job in program.helper_compiles(coll, mesh, plan, count, dtype, lambda: point.wire_dtype):
         job()

@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 
 from microbench.bench import ragged_sizes, reduce_ops
-from microbench.bench.known_inputs import FP8, GroupInputs, as_dtype
+from microbench.bench.known_inputs import FILL, FP8, GroupInputs, as_dtype
 from microbench.fabric import conventions
 
 REGISTRY: dict[str, "Collective"] = {}
@@ -180,16 +180,28 @@ class Collective(abc.ABC):
     """rep_output repeats with this period (in repetitions) in a group of n."""
     return 1
 
-  def digest_each(self, platform: str) -> bool:
-    """Whether every repetition's output is digested on `platform` (False where reading it would make XLA
-    copy it: an in-place op whose output the next repetition overwrites)."""
-    return True
+  def compared_to_op(self, n: int, platform: str) -> bool:
+    """No known buffer holds some repetition's output (a chained sum grows n-fold a repetition, rounded): the
+    checked twin then compares each repetition's output with one operation of the collective (the one the
+    check program verified exactly) on that repetition's own input, computed beside it."""
+    return any(self.rep_output(0, k, n, platform) is None for k in range(1, self.period(n) + 1))
 
   def final_carry(self, rank: int, reps: int, n: int, platform: str) -> tuple[tuple[str, int] | None, ...]:
     """What each slot of the carry holds after `reps` repetitions (as rep_output names buffers)."""
     if self.feedback_on(platform) == "chain":
       return (self.rep_output(rank, reps, n, platform),)
     return (("in", rank), self.rep_output(rank, reps, n, platform))
+
+  def slot_sources(self, platform: str) -> tuple[str, ...]:
+    """What the timed carry's data slots start as: "in" the known inputs, "alt_in" the second known inputs
+    (known_inputs.alt_shift), "fill" a buffer of known_inputs.FILL (an output slot: a value no correct output
+    holds, so an element a repetition fails to write can't keep a right value)."""
+    return ("in",) if self.feedback_on(platform) == "chain" else ("in", "fill")
+
+  @property
+  def alt_inputs(self) -> bool:
+    """The repetitions alternate between the known inputs and a second set (the check also runs on it)."""
+    return False
 
   @abc.abstractmethod
   def reference(self, xs: np.ndarray) -> np.ndarray:
@@ -289,9 +301,6 @@ class AllReduce(Reduction):
   def feedback_on(self, platform):
     return "chain" if platform == "gpu" or self.inplace else "hold"
 
-  def digest_each(self, platform):
-    return platform != "gpu"  # the next in-place all-reduce overwrites the output a digest would read
-
   def op(self, x, axes, n, platform):
     return reduce_ops.all_reduce(x, axes, self.redop)
 
@@ -318,7 +327,7 @@ class AllGather(Collective):
     return count // n
 
   def in_place_form(self):
-    return InPlaceAllGather()
+    return _in_place(self, _InPlaceGather)
 
   def op(self, x, axes, n, platform):
     return lax.all_gather(x, axes, tiled=True)
@@ -346,7 +355,7 @@ class ReduceScatter(Reduction):
     return count // n
 
   def in_place_form(self):
-    return InPlaceReduceScatter(self.redop)
+    return _in_place(self, _InPlaceScatter)
 
   def op(self, x, axes, n, platform):
     return reduce_ops.reduce_scatter(x, axes, n, self.redop)
@@ -492,18 +501,37 @@ def _from_chunks(chunk: int, start: int, stop: int, source) -> np.ndarray:
   return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-class InPlaceAllGather(AllGather):
+_IN_PLACE_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _in_place(coll: Collective, mixin: type) -> Collective:
+  """`coll` in nccl-tests' in-place layout: a copy whose class puts `mixin` before the collective's own class
+  (a user's registered subclass stays itself: its op and step are the ones run, in place)."""
+  cls = type(coll)
+  if issubclass(cls, mixin):
+    return copy.copy(coll)
+  key = (cls, mixin)
+  if key not in _IN_PLACE_CLASSES:
+    known = {(AllGather, _InPlaceGather): InPlaceAllGather, (ReduceScatter, _InPlaceScatter): InPlaceReduceScatter}
+    _IN_PLACE_CLASSES[key] = known.get(key) or type(f"InPlace{cls.__name__}", (mixin, cls),
+                                                    {"__module__": cls.__module__})
+  out = copy.copy(coll)
+  out.__class__ = _IN_PLACE_CLASSES[key]
+  return out
+
+
+class _InPlaceGather(AllGather):
   """nccl-tests' in-place all-gather: one buffer of S per rank, whose slice `rank` is the rank's input (the
   known input is S long; its own slice is what the rank sends). XLA reads the slice with a dynamic-slice (a
-  write of S/n, reported as the loop body's write) and gathers into the donated buffer. Chained, the output
-  is a fixed point: its slice `rank` is the input's."""
+  write of S/n, reported as the loop body's write) and gathers into the donated buffer with the collective's
+  own op. Chained, the output is a fixed point: its slice `rank` is the input's."""
 
   def in_count(self, count, n):
     return count
 
   def op(self, x, axes, n, platform):
     chunk = x.shape[0] // n
-    return lax.all_gather(lax.dynamic_slice(x, (lax.axis_index(axes) * chunk,), (chunk,)), axes, tiled=True)
+    return super().op(lax.dynamic_slice(x, (lax.axis_index(axes) * chunk,), (chunk,)), axes, n, platform)
 
   def reference(self, xs):
     n = xs.shape[0]
@@ -519,10 +547,14 @@ class InPlaceAllGather(AllGather):
     return _from_chunks(chunk, start, stop, lambda j, a, b: inputs.rank(j, j * chunk + a, j * chunk + b))
 
 
-class InPlaceReduceScatter(ReduceScatter):
-  """nccl-tests' in-place reduce-scatter: the rank's reduced block is written over slice `rank` of its input
-  (a dynamic-update-slice of S/n into the donated buffer); the rest of the buffer is the rank's input,
-  unchanged, and checked as such."""
+class InPlaceAllGather(_InPlaceGather, AllGather):
+  """The built-in all-gather in place."""
+
+
+class _InPlaceScatter(ReduceScatter):
+  """nccl-tests' in-place reduce-scatter: the rank's reduced block (the collective's own op) is written over
+  slice `rank` of its input (a dynamic-update-slice of S/n into the donated buffer); the rest of the buffer is
+  the rank's input, unchanged, and checked as such."""
 
   def out_count(self, count, n):
     return count
@@ -531,7 +563,7 @@ class InPlaceReduceScatter(ReduceScatter):
     return count // n
 
   def op(self, x, axes, n, platform):
-    y = reduce_ops.reduce_scatter(x, axes, n, self.redop)
+    y = super().op(x, axes, n, platform)
     return lax.dynamic_update_slice(x, y, (lax.axis_index(axes) * y.shape[0],))
 
   def reference(self, xs):
@@ -568,6 +600,10 @@ class InPlaceReduceScatter(ReduceScatter):
     return out
 
 
+class InPlaceReduceScatter(_InPlaceScatter, ReduceScatter):
+  """The built-in reduce-scatter in place."""
+
+
 NAMES = tuple(REGISTRY)  # the collectives; the reductions' other operators are variants of two of them
 for _name in ("all_reduce", "reduce_scatter"):
   for _op in reduce_ops.OPS[1:]:
@@ -589,15 +625,18 @@ class RaggedAllToAll(Collective):
 
   S is the per-rank input: the `count` elements every rank sends, its own share included. The output holds
   n x the largest single run (at least the largest receive); what no one sends to stays as the output buffer
-  had it, zeros (the check program's buffer is zeros, and each timed repetition writes into the previous
-  one's output, whose unused elements are zeros from the first), and is checked like the rest. busbw counts
+  had it, known_inputs.FILL (the check program's buffer is filled with it, and so is the timed carry's output
+  slot, whose unused elements each repetition keeps), and is checked like the rest: FILL is no input's value,
+  so a run sent one element short, or not at all, leaves a value no correct output holds. busbw counts
   the bytes actually sent (no padding) at the busiest rank: the most any rank sends to or receives from the
   others, over S (fabric.conventions.ragged_busbw_factor; uniform with n | count gives all-to-all's
   (n-1)/n). The sizes differ by count, so the factor does too; without a count, the distribution's exact
   shares give it (the limit the sizes round to).
 
-  Held: every repetition sends the known inputs again into the previous output, so each must reproduce the
-  check program's output. XLA:GPU runs `ragged-all-to-all-start`/`-done`; XLA:CPU has no ragged-all-to-all
+  Held, alternating: the repetitions send the known inputs and a second set (the letters shifted by M/2,
+  known_inputs.alt_shift: different at every element) in turn, each into the previous repetition's output, so
+  every repetition must rewrite every run it receives (a run it skips keeps the other set's values: wrong).
+  The check program runs on both sets. XLA:GPU runs `ragged-all-to-all-start`/`-done`; XLA:CPU has no ragged-all-to-all
   ("not supported by XLA:CPU ThunkEmitter"), so on CPU it is a dense all-to-all of the runs padded to the
   largest (n x block elements moved, `impl` says so), unpacked into the output buffer: the same output, not
   the same traffic."""
@@ -638,15 +677,38 @@ class RaggedAllToAll(Collective):
     return f"padded all-to-all ({self.dist} sizes; XLA:CPU has no ragged-all-to-all)"
 
   def op(self, x, axes, n, platform):
-    return self.exchange(x, jnp.zeros((self.out_count(x.shape[0], n),), x.dtype), axes, n, platform)
+    fill = jnp.full((self.out_count(x.shape[0], n),), FILL[jnp.dtype(x.dtype).name], x.dtype)
+    return self.exchange(x, fill, axes, n, platform)
+
+  def carry(self, x, out_count, platform):
+    return (x, x, jnp.zeros((out_count,), x.dtype))
+
+  def slot_sources(self, platform):
+    return ("in", "alt_in", "fill")
+
+  @property
+  def alt_inputs(self):
+    return True
 
   def step(self, carry, axes, n, platform):
-    """The inputs stay untouched: each repetition writes into the previous one's output, which orders them
-    (the op takes it as its buffer). Rewriting an input element as `hold` does made XLA:CPU copy the input
-    in the 2-repetition program (the emulation's gather fused with the update)."""
-    x, buf = carry
+    """The inputs stay untouched and swap places: each repetition sends the one in front, into the previous
+    one's output, which orders them (the op takes it as its buffer). Rewriting an input element as `hold`
+    does made XLA:CPU copy the input in the 2-repetition program (the emulation's gather fused with the
+    update)."""
+    x, other, buf = carry
     y = self.exchange(x, buf, axes, n, platform)
-    return (x, y), y
+    return (other, x, y), y
+
+  def period(self, n):
+    return 2
+
+  def rep_output(self, rank, k, n, platform):
+    return ("out", rank) if k % 2 else ("alt_out", rank)
+
+  def final_carry(self, rank, reps, n, platform):
+    if reps % 2:
+      return (("alt_in", rank), ("in", rank), ("out", rank))
+    return (("in", rank), ("alt_in", rank), ("alt_out", rank))
 
   def tables(self, count: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What the op is told: (sizes, input offsets, output offsets) [source, destination]. The check's
@@ -686,10 +748,12 @@ class RaggedAllToAll(Collective):
     q, j, used = self._unpack(out_off[:, rank], sizes[:, rank], e)
     return jnp.where(used, q, -1), in_off[q, rank] + j
 
-  def reference(self, xs):
+  def reference(self, xs, fill: float | None = None):
+    """`fill`: what the output buffer holds before the op (default: known_inputs.FILL of xs's dtype, else 0)."""
     n, count = xs.shape
     lay = self.layout(count, n)
-    out = np.zeros((n, lay.out_count), xs.dtype)
+    fill = fill if fill is not None else FILL.get(np.dtype(xs.dtype).name, 0)
+    out = np.full((n, lay.out_count), fill, xs.dtype)
     for r in range(n):
       for d in range(n):
         a, s, o = lay.input_offsets[r, d], lay.sizes[r, d], lay.output_offsets[r, d]
@@ -698,7 +762,7 @@ class RaggedAllToAll(Collective):
 
   def expected(self, inputs, rank, in_count, start, stop):
     lay = self.layout(in_count, inputs.n)
-    out = np.zeros(max(0, stop - start), np.int64)
+    out = np.full(max(0, stop - start), FILL[inputs.dtype], np.int64)
     for q in range(inputs.n):
       o, s, a = int(lay.output_offsets[q, rank]), int(lay.sizes[q, rank]), int(lay.input_offsets[q, rank])
       lo, hi = max(start, o), min(stop, o + s)

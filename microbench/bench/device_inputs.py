@@ -46,8 +46,9 @@ class Family:
   """The known inputs of one point (kind, dtype, group size, message length, check run) as traceable
   functions of (group index, rank, element index), all int32/uint32 arrays."""
 
-  def __init__(self, kind: str, dtype: str, n: int, count: int, run: int = 0):
+  def __init__(self, kind: str, dtype: str, n: int, count: int, run: int = 0, shift: int = 0):
     self.kind, self.dtype, self.n, self.count, self.run = kind, dtype, int(n), int(count), int(run)
+    self.shift = int(shift)  # the data family's letter shift (known_inputs.alt_shift: the second input)
     if kind != "data":
       gi = ki.GroupInputs(kind, dtype, n, 0, count, run)
       self.k, self.chunk, self.q_max = gi.k, gi.chunk, gi.q_max
@@ -55,7 +56,7 @@ class Family:
     self.host_tables = _tables(kind, dtype, n, count)
 
   def key(self) -> tuple:
-    return (self.kind, self.dtype, self.n, self.count, self.run)
+    return (self.kind, self.dtype, self.n, self.count, self.run, self.shift)
 
   def value(self, tabs: dict, g, q, i) -> jax.Array:
     """Rank q's input at elements i of group g (int32; q and i broadcast against each other)."""
@@ -93,7 +94,7 @@ class Family:
     q = q.astype(_U)
     lo, hi = q & mask, (q // _U(m)) & mask
     u = jnp.where((j + self.run) % 2 == 0, lo, (hi + c * lo) & mask)
-    w = (a * u + b + d * (g.astype(_U) & mask)) & mask
+    w = (a * u + b + d * (g.astype(_U) & mask) + _U(self.shift)) & mask
     if self.dtype in ki.FP8:
       return tabs["letters"][w.astype(jnp.int32)]
     return w.astype(jnp.int32) - m // 2
@@ -175,9 +176,9 @@ def expected_output(coll, family: Family, tabs: dict, g, r, out_count: int, in_c
     if keep is not None:
       values = jnp.where(keep, family.rank_values(tabs, g, r, in_count).astype(family.dtype), values)
     return values
-  q, j = coll.source(r, e, n, in_count)  # q < 0: no source (a ragged output's unused tail), the value is 0
+  q, j = coll.source(r, e, n, in_count)  # q < 0: no source (a ragged output's unused tail): the buffer's fill
   q = jnp.broadcast_to(q, e.shape)
-  return jnp.where(q >= 0, family.data_at(tabs, g, jnp.maximum(q, 0), j, n), 0).astype(family.dtype)
+  return jnp.where(q >= 0, family.data_at(tabs, g, jnp.maximum(q, 0), j, n), ki.FILL[family.dtype]).astype(family.dtype)
 
 
 @functools.lru_cache(maxsize=16)

@@ -63,10 +63,9 @@ class Expectation:
   # slices and a concatenate; the masked all-reduce standing in for a broadcast: a select; float32 converts
   # around a widened 16-bit collective): there only copies fail; the writes are still reported.
   writes_are_the_op: bool = False
-  # Writes made under this named scope are not failures (still reported): XLA:CPU never fuses a producer
-  # into an integer reduction, so the timed digest's hash is written out there, and XLA:TPU materialises the
-  # digest's bitcast of small outputs into its tiled layout; GPUs fuse it (None: strict).
-  exempt_scope: str | None = None
+  # False for a program that is never timed (a checked twin: the same repetitions with every output digested):
+  # its writes are reported (Verified.body_writes), none fails; the op, groups, dtype and executions are checked.
+  strict_writes: bool = True
   # In place: the first result must take the first parameter's buffer (donated, `input_output_alias`), and
   # message-sized copies (an op XLA runs out of place, its output copied back into that buffer) are counted
   # in Verified.copies instead of failing.
@@ -98,7 +97,8 @@ class Verified:
   sync_starts: int = 0     # async starts XLA:GPU marked to run synchronously
   body_writes: int | None = None  # elements the loop body writes besides the collective, per trip
   copies: int | None = None  # in place: message-sized copies per call (0: the op itself ran in place)
-  staged: int | None = None  # XLA:TPU: message-sized staging and layout copies per call (onchip_staging)
+  staged: int | None = None  # XLA:TPU: message-sized staging copies (on-chip memory, once per call) per call
+  relaid: int | None = None  # XLA:TPU: elements its re-tiling of the op's operand or result writes to HBM, per call
   written_as: str | None = None  # the platform's own form of the op (`rewrites`), e.g. "all-gather as all-reduce"
   dcn: dict | None = None  # across TPU slices: the Megascale transfers per call and the ICI collectives beside them
   # XLA:GPU's command buffers as compiled (verify_command_buffer): asked, and how many of the collectives and
@@ -112,6 +112,7 @@ class Verified:
             "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes,
             **({"inplace_copies": self.copies} if self.copies is not None else {}),
             **({"staging_copies": self.staged} if self.staged is not None else {}),
+            **({"relayout_elements": self.relaid} if self.relaid else {}),
             **({"written_as": self.written_as} if self.written_as else {}),
             **({"dcn": self.dcn} if self.dcn else {}),
             **({"algorithm": algo} if (algo := parse.algorithm_config(self.match.text)) else {}),
@@ -232,14 +233,14 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
   if exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0:
     raise HloMismatch("in place asked, but the program's result does not take its input's buffer (no"
                       f" input_output_alias of the result to parameter 0): {hlo_text.split(chr(10), 1)[0][:240]}")
-  writes, copies, staged = None, None, None
+  writes, copies, staged, relaid = None, None, None, None
   if exp.copy_limit is not None:
-    writes, copies, staged = _no_big_writes(
-        hlo_text, comps, exp.copy_limit, in_loops, op_writes=exp.writes_are_the_op, exempt_scope=exp.exempt_scope,
+    writes, copies, staged, relaid = _no_big_writes(
+        hlo_text, comps, exp.copy_limit if exp.strict_writes else None, in_loops, op_writes=exp.writes_are_the_op,
         count_copies=counts if exp.aliased else None, staging=counts if exp.onchip_staging else None)
   return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync), writes, copies, staged=staged)
+                  sum(1 for c in matches if c.sync), writes, copies, staged=staged, relaid=relaid)
 
 
 def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
@@ -250,7 +251,8 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
   loops like any collective. Groups spanning chips of several slices: XLA:TPU splits the op into ICI collectives
   inside each slice and DCN transfers between slices; every ICI group must stay in its slice and the DCN
   transfers per call must be a whole multiple of the executions. The write check does not apply: the transfers
-  go through host buffers the runtime owns."""
+  go through host buffers the runtime owns. The write check applies as on ICI (`_no_big_writes`): staging and
+  re-tiling around the transfers are counted, anything else message-sized on every repetition fails."""
   chips = exp.slice_devices or 1
   transfers = parse.megascale_transfers(hlo_text)
   ici = find_collectives(hlo_text)
@@ -285,14 +287,21 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
   if exp.in_loop and (inside == 0 or (total - inside) // per_op > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} DCN transfers outside a loop with a known trip"
                       " count")
+  writes, staged, relaid = None, None, None
+  if exp.copy_limit is not None:
+    # an all-gather or reduce-scatter across slices: XLA:TPU's forms inside each slice (a zero-padded all-reduce
+    # and its crop, an all-reduce and its slice) write the message as part of the op, as verify's rewrites do
+    writes, _, staged, relaid = _no_big_writes(hlo_text, comps, exp.copy_limit if exp.strict_writes else None, in_loops,
+                                               op_writes=exp.writes_are_the_op or bool(exp.rewrites), staging=counts)
   first = transfers[0]
   match = HloCollective(exp.op, (), first.line, first.element_types, first.elements, first.computation,
                         f"megascale-{first.transfer.lower().replace('_', '-')}")
   wire = DTYPE_OF.get(first.element_types[0], exp.dtype) if first.element_types else exp.dtype
   dcn = {"transfers_per_op": per_op, "types": sorted({t.transfer for t in transfers}),
-         "ici_collectives_per_call": len(ici), "ici_ops": sorted({c.op for c in ici})}
+         "ici_collectives_per_call": sum(counts.get(c.computation) or 0 for c in ici), "ici_ops": sorted({c.op for c in ici})}
   return Verified(match, wire, exp.executions, tuple(t for t in trips if t is not None), inside // per_op,
-                  tuple(f"megascale-{t.transfer.lower().replace('_', '-')}" for t in transfers), dcn=dcn)
+                  tuple(f"megascale-{t.transfer.lower().replace('_', '-')}" for t in transfers), dcn=dcn,
+                  body_writes=writes, staged=staged, relaid=relaid)
 
 
 def _loops(hlo_text: str) -> tuple[dict[str, parse.Computation], dict[str, int | None], dict[str, "WhileTrip"]]:
@@ -324,12 +333,22 @@ class WhileTrip:
 _NO_WRITE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "while", "conditional", "call",
              "after-all", "partition-id", "replica-id", "async-start", "async-update", "async-done",
              "copy-done", "call-start", "call-done"}
-_COLLECTIVE_OPS = {f"{op}{sfx}" for op in parse.OPS for sfx in ("", "-start", "-done")}
+# the collectives, and the sends and receives XLA:TPU writes a Megascale (DCN) transfer as (an ICI program with one
+# fails verify_groups)
+_COLLECTIVE_OPS = {f"{op}{sfx}" for op in parse.OPS for sfx in ("", "-start", "-done")} | {
+    "send", "recv", "send-done", "recv-done"}
 
 
-def _written(ins: parse.Instr, fused: dict[str, parse.Computation]) -> int:
-  """Elements an instruction writes: its result's arrays, but only the update of a fusion whose root is a
-  dynamic-update-slice (done in place: the timed loop's one-element feedback)."""
+def _written(ins: parse.Instr, fused: dict[str, parse.Computation], defs: dict[str, parse.Instr] | None = None) -> int:
+  """Elements an instruction writes: its result's arrays, but only the update of a dynamic-update-slice, on its
+  own or as a fusion's root (the timed loop's one-element feedback). A dynamic-update-slice always runs in
+  place after XLA's copy insertion, which adds an explicit `copy` of the operand wherever the operand's buffer
+  is still needed (that copy is an instruction of its own, and counted); `defs` (the computation's
+  instructions by name) gives the update's shape."""
+  if ins.opcode == "dynamic-update-slice":
+    update = (parse.operands(ins) or [None, None])[1:2]
+    if update and defs and update[0] in defs:
+      return parse.result_arrays(defs[update[0]].type_text)[1]
   callee = next((c for k, c in parse.callees(ins) if k == "calls"), None) if ins.opcode == "fusion" else None
   comp = fused.get(callee) if callee else None
   if comp is not None:
@@ -368,11 +387,12 @@ def body_writes(hlo_text: str, comps: dict[str, parse.Computation] | None = None
   run = parse.reachable(hlo_text, entry, comps) if entry else set(comps)
   out: dict[str, list[tuple[int, str]]] = {}
   for name in sorted(run - fused_names):
-    for line in comps[name].lines:
-      ins = parse.parse_instruction(line)
-      if ins is None or ins.opcode in _NO_WRITE or ins.opcode in _COLLECTIVE_OPS:
+    instrs = [ins for ins in map(parse.parse_instruction, comps[name].lines) if ins is not None]
+    defs = {ins.name: ins for ins in instrs}
+    for ins in instrs:
+      if ins.opcode in _NO_WRITE or ins.opcode in _COLLECTIVE_OPS:
         continue
-      elements = _written(ins, fused)
+      elements = _written(ins, fused, defs)
       if elements:
         out.setdefault(name, []).append((elements, ins))
   return out
@@ -397,24 +417,114 @@ def _from_onchip(ins: parse.Instr, defs: dict[str, parse.Instr]) -> bool:
   return src is not None and bool(_ONCHIP.search(src.type_text))
 
 
-def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int, in_loops: dict,
-                   op_writes: bool = False, exempt_scope: str | None = None,
+_LAYOUT_OPS = ("copy", "copy-start", "copy-done", "reshape", "transpose", "bitcast")
+_LAYOUT = re.compile(r"\{[^{}]*\}\s*$")
+
+
+def _layout_of(type_text: str) -> str:
+  """An array type's layout without its memory space (`{1,0:T(4,128)(2,1)}` of `bf16[4,128]{1,0:T(4,128)(2,1)S(1)}`)."""
+  m = _LAYOUT.search(type_text.strip())
+  return re.sub(r"S\(\d+\)", "", m.group(0)) if m else ""
+
+
+def _unit_reduce(ins: parse.Instr, defs: dict[str, parse.Instr]) -> bool:
+  """A reduce over dimensions of size 1 only: a change of shape and tiling, no arithmetic (XLA:TPU's way of
+  re-tiling [n, 1, c] into [n, c])."""
+  dims = re.search(r"dimensions=\{([\d,]*)\}", ins.rest)
+  src = defs.get((parse.operands(ins) or [""])[0])
+  shape = re.search(r"\[([\d,]*)\]", src.type_text) if src is not None else None
+  if not dims or not shape:
+    return False
+  extents = [int(v) for v in shape.group(1).split(",") if v]
+  return all(int(d) < len(extents) and extents[int(d)] == 1 for d in dims.group(1).split(",") if d)
+
+
+def _layout_only(ins: parse.Instr, defs: dict[str, parse.Instr], comps: dict[str, parse.Computation]) -> bool:
+  """An instruction that only moves its operand into another shape or tiling: a copy that changes the layout,
+  a reshape, transpose or bitcast, a reduce over unit dimensions, or a fusion of nothing else."""
+  if ins.opcode == "copy":
+    src = defs.get((parse.operands(ins) or [""])[0])
+    return src is not None and _layout_of(src.type_text) != _layout_of(ins.type_text)
+  if ins.opcode in _LAYOUT_OPS:
+    return True
+  if ins.opcode == "reduce":
+    return _unit_reduce(ins, defs)
+  if ins.opcode == "fusion":
+    callee = next((c for k, c in parse.callees(ins) if k == "calls"), None)
+    if callee not in comps:
+      return False
+    inner = {d.name: d for d in map(parse.parse_instruction, comps[callee].lines) if d is not None}
+    return all(d.opcode in ("parameter", "constant", *_LAYOUT_OPS) or d.opcode == "reduce" and _unit_reduce(d, inner)
+               for d in inner.values())
+  return False
+
+
+_MERGE_OPS = ("parameter", "constant", "broadcast", "select", "compare", "bitcast", "reshape")
+
+
+def _merge(ins: parse.Instr, comps: dict[str, parse.Computation]) -> bool:
+  """A select between parts of one operation (fed only by collectives' results and scalars): how XLA:TPU joins
+  an op it split between ICI and a Megascale (DCN) transfer (a ring across slices: each rank takes its
+  neighbour's data from the ICI permute or from the DCN receive)."""
+  if ins.opcode == "select":
+    return True
+  callee = next((c for k, c in parse.callees(ins) if k == "calls"), None) if ins.opcode == "fusion" else None
+  if callee not in comps:
+    return False
+  inner = [d for d in map(parse.parse_instruction, comps[callee].lines) if d is not None]
+  return any(d.opcode == "select" for d in inner) and all(d.opcode in _MERGE_OPS for d in inner)
+
+
+def relayouts(comp: parse.Computation, comps: dict[str, parse.Computation]) -> set[str]:
+  """The instructions of `comp` that re-tile a collective's operand or result (XLA:TPU's form of a flat
+  collective: its buffers change tiling on the way in and out), or join the parts of an op it split (`_merge`):
+  every chain of layout-only instructions (`_layout_only`) that ends in a collective's operand or starts at its
+  result, and selects whose every array operand is such a result. Nothing that computes is in a chain, and
+  each writes the elements it reads, so what they write is the op's own form."""
+  instrs = [d for d in map(parse.parse_instruction, comp.lines) if d is not None]
+  defs = {d.name: d for d in instrs}
+  ops = [d for d in instrs if d.opcode in _COLLECTIVE_OPS]
+  seen = {d.name for d in ops}
+  out: set[str] = set()
+  grew = True
+  while grew:  # forward from each collective's result, to a fixed point (a merge needs all its parts)
+    grew = False
+    for u in instrs:
+      if u.name in out or u.name in seen:
+        continue
+      data = [o for o in parse.operands(u) if o in defs and parse.result_arrays(defs[o].type_text)[1] > 1]
+      if not data or not all(o in seen or o in out for o in data):
+        continue
+      if u.opcode == "get-tuple-element" or _layout_only(u, defs, comps) or len(data) > 1 and _merge(u, comps):
+        out.add(u.name)
+        grew = True
+  todo = [o for d in ops for o in parse.operands(d)]
+  while todo:  # backward from each collective's operands
+    d = defs.get(todo.pop())
+    if d is not None and d.name not in out and _layout_only(d, defs, comps):
+      out.add(d.name)
+      todo.extend(parse.operands(d)[:1])
+  return out
+
+
+def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int | None, in_loops: dict,
+                   op_writes: bool = False,
                    count_copies: dict[str, int | None] | None = None,
-                   staging: dict[str, int | None] | None = None) -> tuple[int, int | None, int | None]:
+                   staging: dict[str, int | None] | None = None) -> tuple[int, int | None, int | None, int | None]:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
   slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
-  `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail. With
+  `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail; with `limit`
+  None (a program never timed) nothing fails and the loop body's writes are still counted. With
   `count_copies` (in place: each computation's executions per call) message-sized copies are counted instead.
-  With `staging` (XLA:TPU), message-sized copies to or from on-chip memory are counted, not failed.
-  Returns the elements the loop body writes besides the collective, per trip, the copies and the staging copies
-  per call."""
+  With `staging` (XLA:TPU), message-sized copies to or from on-chip memory, and writes outside the loop (once
+  per call: the two arms' difference cancels them), are counted, not failed; and so are the re-tilings of a
+  collective's operand or result in HBM inside the loop (`relayouts`), which are the op's own form there and
+  are what the point measures with it: their elements are returned so the record can say so. Returns the
+  elements the loop body writes besides the collective, per trip, the copies and the staging copies per call,
+  and the elements re-tiled in HBM per call (None off XLA:TPU)."""
   body, copies, staged = 0, None if count_copies is None else 0, None if staging is None else 0
-  results, feeds = set(), set()  # the collectives' results and operands (XLA:TPU re-tiles both around them)
-  for c in find_collectives(hlo_text) if staging is not None else ():
-    ins = parse.parse_instruction(c.text)
-    if ins is not None:
-      results.add(ins.name)
-      feeds.update(parse.operands(ins))
+  relaid = None if staging is None else 0
+  chains = {name: relayouts(comps[name], comps) for name in in_loops} if staging is not None else {}
   defs: dict[str, dict[str, parse.Instr]] = {}
 
   def defs_of(name: str) -> dict[str, parse.Instr]:  # a computation's instructions by name, parsed once
@@ -426,23 +536,23 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
     for elements, ins in writes:
       if name in in_loops:
         body += elements
-      # XLA:TPU re-tiles a collective's operand (a copy) or result (a copy, or for small all-gathers and
-      # all-to-alls a reduce over the expanded form's unit dimension): the op's own form there
-      reads = any(f"%{r})" in ins.rest or f"%{r}," in ins.rest for r in results)
-      relayout = ins.opcode == "copy" and (ins.name in feeds or reads) or ins.opcode == "reduce" and reads
-      if staging is not None and elements >= limit and (_staging_copy(ins) or name not in in_loops or relayout
-                                                         or _from_onchip(ins, defs_of(name))):
-        staged += staging.get(name) or 1
+      if limit is None:
         continue
+      if staging is not None and elements >= limit:
+        if _staging_copy(ins) or name not in in_loops or _from_onchip(ins, defs_of(name)):
+          staged += staging.get(name) or 1
+          continue
+        if ins.name in chains.get(name, ()):  # XLA:TPU re-tiling the op's operand or result in HBM
+          relaid += elements * (staging.get(name) or 1)
+          continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
         copies += count_copies.get(name) or 1
         continue
-      exempt = exempt_scope is not None and f"/{exempt_scope}/" in ins.line and ins.opcode != "copy"
-      if elements >= limit and not exempt and (not op_writes or ins.opcode in ("copy", "copy-start")):
+      if elements >= limit and (not op_writes or ins.opcode in ("copy", "copy-start")):
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
                           f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
-  return body, copies, staged
+  return body, copies, staged, relaid
 
 
 def verify_command_buffer(verified: Verified, thunk_text: str | None, on: bool, loop: bool) -> Verified:

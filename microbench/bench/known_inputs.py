@@ -55,6 +55,12 @@ RESIDUE_PRIME = {"bfloat16": 31, "float16": 251, "float32": 1048573, "int32": 67
 KMAX = {"bfloat16": 64, "float16": 512, "float32": 4096, "int32": 4096}
 KINDS = ("data", "sum", "prod", "max", "min")  # data moves; the others: which reduction the values are for
 GROUP_STEP = 7  # residue offset between groups (coprime to every L)
+# A value no family's input or correct output holds: the dtype's nearest exact integer below every data letter
+# (-M/2), product (-HALF) and extreme, so in float32 and int32 one more or less is still exact (and a data
+# letter): what an output buffer holds before a collective writes it (the timed carry's output slot, the
+# ragged all-to-all's buffer), so an element the collective fails to write can never hold the right value.
+FILL = {"float32": -(1 << 23) - 1, "int32": -(1 << 29) - 1, "bfloat16": -258, "float16": -2050,
+        "float8_e4m3fn": -256, "float8_e5m2": -256}
 
 
 def as_dtype(values, dtype: str) -> np.ndarray:
@@ -134,13 +140,14 @@ def _constants(m: int) -> tuple[np.ndarray, ...]:
   return tuple((x & mask).astype(np.int64) | odd for x, odd in ((a, 1), (b, 0), (c, 1), (d, 0)))
 
 
-def _hash(m: int, group_index: int, ranks: np.ndarray, j: np.ndarray, run: int = 0) -> np.ndarray:
+def _hash(m: int, group_index: int, ranks: np.ndarray, j: np.ndarray, run: int = 0, shift: int = 0) -> np.ndarray:
   """w in [0, m) of ranks [R, 1] at period indices j [J] (the data family's bijection; `run` 1 swaps the
-  even- and odd-element rules)."""
+  even- and odd-element rules; `shift` moves every letter by that much mod m: with m/2, a second input that
+  differs from the first at every element)."""
   a, b, c, d = (k[j] for k in _constants(m))
   lo, hi = ranks % m, (ranks // m) % m
   u = np.where((j + run) % 2 == 0, lo, (hi + c * lo) % m)
-  return (a * u + b + d * (group_index % m)) % m
+  return (a * u + b + d * (group_index % m) + shift) % m
 
 
 class GroupInputs:
@@ -153,11 +160,13 @@ class GroupInputs:
   """
 
   def __init__(self, kind: str, dtype: str, n: int, group_index: int = 0, count: int | None = None,
-               run: int = 0):
+               run: int = 0, shift: int = 0):
     if kind not in KINDS:
       raise ValueError(f"unknown input kind {kind!r}: {KINDS}")
+    if shift and kind != "data":
+      raise ValueError("only the data family has shifted letters")
     self.kind, self.dtype, self.n, self.group_index = kind, dtype, int(n), int(group_index)
-    self.count, self.run = count, int(run)
+    self.count, self.run, self.shift = count, int(run), int(shift)
     self._periods: dict[int, np.ndarray] = {}
     self._cache: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     if kind != "data":
@@ -255,7 +264,7 @@ class GroupInputs:
     if self.kind != "data":
       return self.sum_at(ranks, i)
     m = ALPHABET[self.dtype]
-    return data_value(self.dtype, _hash(m, self.group_index, ranks, i, self.run))
+    return data_value(self.dtype, _hash(m, self.group_index, ranks, i, self.run, self.shift))
 
   def rank(self, r: int, start: int, stop: int) -> np.ndarray:
     if self.kind != "data":
@@ -283,9 +292,14 @@ _CACHED = 1 << 22  # sums: messages up to this many elements per rank keep their
 
 @functools.lru_cache(maxsize=16)
 def group_inputs(kind: str, dtype: str, n: int, group_index: int, count: int | None = None,
-                 run: int = 0) -> GroupInputs:
+                 run: int = 0, shift: int = 0) -> GroupInputs:
   """Shared across points: a period is computed once per run."""
-  return GroupInputs(kind, dtype, n, group_index, count, run)
+  return GroupInputs(kind, dtype, n, group_index, count, run, shift)
+
+
+def alt_shift(dtype: str) -> int:
+  """The letter shift of a data family's second input (M/2): every element differs from the first's."""
+  return ALPHABET[dtype] // 2
 
 
 def _repeat(pattern: np.ndarray, count: int) -> np.ndarray:

@@ -247,21 +247,20 @@ def build_both(coll: Collective, mesh: jax.sharding.Mesh, plan: ScopePlan, count
   body writes no more besides the collective and the matmuls than the comm arm's does. With `digest` None
   the checked twin is built too where the collective digests each repetition (program.build_timed's rule)."""
   n, platform = plan.group_size, program.platform_of(mesh)
-  each_platform = coll.digest_each(platform)
   if digest is None:
     arm = build_both(coll, mesh, plan, count, dtype, dim, reps, comm, digest=False)
-    if each_platform:
-      arm.checked = build_both(coll, mesh, plan, count, dtype, dim, reps,
-                               comm.checked if comm is not None else None, digest=True)
+    arm.checked = build_both(coll, mesh, plan, count, dtype, dim, reps,
+                             comm.checked if comm is not None else None, digest=True)
     return arm
   counts = program.carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype, platform)
-  each = digest and each_platform
+  against_op = digest and coll.compared_to_op(n, platform)
   ns = len(counts)
   cdt = program.DTYPES[compute_dtype(dtype)]
 
   def one(c):
     slots, y = coll.step(c[:ns], plan.axes, n, platform)
-    acc = program.fold(c[ns], y) if each else c[ns]
+    ref = program.reference_op(coll, c[0], y, plan.axes, n, platform) if against_op else None
+    acc = program.fold(c[ns], y, ref) if digest else c[ns]
     return (*slots, acc, matmul(c[ns + 1], c[ns + 2]), c[ns + 2])
 
   def per_device(*carry):
@@ -275,7 +274,7 @@ def build_both(coll: Collective, mesh: jax.sharding.Mesh, plan: ScopePlan, count
   text = compiled.as_text()
   # The collective as every timed program's (op, groups, dtype, count, executions in the loop); the matmul's
   # own D^2 writes are the compute, so the message-sized-write rule is applied below against the comm arm.
-  timed = program.expectation(coll, plan, count, dtype, platform, reps, timed=True)
+  timed = program.expectation(coll, plan, count, dtype, platform, reps, timed=True, twin=bool(digest))
   exp = dataclasses.replace(timed, copy_limit=None)
   hlo_check.verify(text, exp)
   if (got := dot_executions(text)) != reps:
@@ -349,11 +348,11 @@ def _order_lines(comps, wins: list[hlo_schedule.Window], dots) -> list[str]:
 
 
 def time_arms(arms: list[tuple[Any, Any]], carries: list[tuple], warmup: int, samples: int,
-              barrier: Callable[[], None]) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple]]:
+              barrier: Callable[[], None], period: int = 1) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple]]:
   """Seconds per call of each arm's (short, long) programs, interleaved: each of `samples` rounds runs a pair
   of every arm in turn (short and long, the order flipping every round), so the arms see the same machine.
-  Warm-up and the untimed checked calls follow program.time_pairs, so program.chain_reps counts each arm's
-  final carry alike."""
+  The untimed checked calls come first, as in program.time_pairs (program.untimed_calls; an arm without
+  twins runs its own programs there), so program.chain_reps counts each arm's final carry alike."""
   def run(prog, carry):
     out = prog.fn(*carry)
     jax.block_until_ready(out)
@@ -361,8 +360,9 @@ def time_arms(arms: list[tuple[Any, Any]], carries: list[tuple], warmup: int, sa
 
   carries = list(carries)
   for a, (short, long) in enumerate(arms):
-    for _ in range(warmup):
-      carries[a] = run(long.checked or long, carries[a])
+    by_name = {"short": short, "long": long}
+    for name in program.untimed_calls(warmup, short.reps, long.reps, period):
+      carries[a] = run(getattr(by_name[name], "checked", None) or by_name[name], carries[a])
   times = [([], []) for _ in arms]
   for i in range(samples):
     for a, (short, long) in enumerate(arms):
@@ -371,9 +371,6 @@ def time_arms(arms: list[tuple[Any, Any]], carries: list[tuple], warmup: int, sa
         t0 = time.perf_counter()
         carries[a] = run(prog, carries[a])
         times[a][0 if prog is short else 1].append(time.perf_counter() - t0)
-  if not warmup:
-    for a, (_, long) in enumerate(arms):
-      carries[a] = run(long.checked or long, carries[a])
   return [(np.asarray(s), np.asarray(l)) for s, l in times], carries
 
 
@@ -426,25 +423,31 @@ def measure(spec: int | str, point: program.Point, short: program.Compiled, long
   rec.update(overlap_dim=dim, overlap_flops=2 * dim ** 3)
   arms = [(short, long),
           (build_compute(mesh, dim, cdtype, short.reps, coll), build_compute(mesh, dim, cdtype, long.reps, coll)),
-          (build_both(coll, mesh, plan, point.count, point.dtype, dim, short.reps, short, digest=False),
+          (build_both(coll, mesh, plan, point.count, point.dtype, dim, short.reps, short),
            build_both(coll, mesh, plan, point.count, point.dtype, dim, long.reps, long))]
   rec.update(schedule_check(arms[2][1].hlo_text))
   m0, p = compute_inputs(mesh, dim, cdtype)
   m1, p1 = compute_inputs(mesh, dim, cdtype)
   carries = [program.initial_carry(point), (m0, p), (*program.initial_carry(point), m1, p1)]
-  times, carries = time_arms(arms, carries, warmup, samples, barrier)
+  period = coll.period(plan.group_size)
+  times, carries = time_arms(arms, carries, warmup, samples, barrier, period)
   (t_comm, how_c), (t_compute, how_m), (t_overall, how_b) = [
       per_op_s(gather(ts), gather(tl), short.reps, long.reps) for ts, tl in times]
   methods = {how_c, how_m, how_b}
   rec.update(t_comm_us=t_comm * 1e6, t_compute_us=t_compute * 1e6, t_overall_us=t_overall * 1e6,
              overlap_pct=osu_overlap_pct(t_overall, t_compute, t_comm), overlap_compute_vs_comm=t_compute / t_comm,
              overlap_time_method=methods.pop() if len(methods) == 1 else "mixed: " + ", ".join(sorted(methods)))
-  reps, digested = program.chain_reps(warmup, samples, short.reps, long.reps)
+  reps, digested = program.chain_reps(warmup, samples, short.reps, long.reps, period=period)
   wrong = check_compute(mesh, carries[1][0], dim, reps) + check_compute(mesh, carries[2][-2], dim, reps)
   rec["overlap_compute_wrong"] = int(gather(np.asarray([wrong], np.int64)).sum())
   if check:
     comm_wrong, _ = program.check_timed(point, carries[0], reps, digested)
     both_wrong, note = program.check_timed(point, carries[2][:-2], reps, digested)
+    if coll.compared_to_op(plan.group_size, platform):  # no known output: the both arm replayed beside its twins
+      replay_wrong, replayed = program.replay_check(
+          point, *arms[2], fresh=lambda: (*program.initial_carry(point), *compute_inputs(mesh, dim, cdtype)), acc_at=-3)
+      both_wrong += replay_wrong
+      note += f"; both arm: {replayed}"
     rec["overlap_timed_wrong"] = None if comm_wrong is None else int(
         gather(np.asarray([comm_wrong + both_wrong], np.int64)).sum())
     rec["overlap_timed_check"] = f"comm and both arms: {note}; the matmuls: m0 rolled by {reps} compared exactly"

@@ -271,8 +271,12 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       with guard("timed runs", (cfg.warmup + cfg.samples) * (expected_op_s + delay)):
         if _hang_here(cfg, index):
           time.sleep(1e9)  # fault injection: a collective that never returns
-        times = _gather(program.time_calls(point, cfg.warmup, cfg.samples, barrier, delay))
+        times, timed_wrong = program.time_calls(point, cfg.warmup, cfg.samples, barrier, delay)
+        times = _gather(times)
       stats = latency_stats(times)
+      if cfg.check:
+        rec["timed_wrong"] = int(_gather(np.asarray([timed_wrong], np.int64)).sum())
+        rec["timed_check"] = f"every one of the {cfg.samples} timed calls' output compared (digests)"
     else:
       if long is None:  # first point of a block: size the long arm from one measured call
         with guard("probe run", expected_op_s):
@@ -295,12 +299,14 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
         rec["inplace_copies_per_op"] = long.verified.copies / long.reps
       carry = program.initial_carry(point)
       graphs = command_buffer.GRAPH_WARMUP if arm is not None and arm.on else 0  # --command_buffer=yes
+      period = coll.period(n)
       per_pair = (short.reps + long.reps) * (expected_op_s + delay)
-      with guard("timed runs", (cfg.warmup + cfg.samples) * per_pair):
+      untimed = len(program.untimed_calls(cfg.warmup, short.reps, long.reps, period))
+      with guard("timed runs", (untimed + cfg.samples) * per_pair):
         if _hang_here(cfg, index):
           time.sleep(1e9)  # fault injection: a collective that never returns
         t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay,
-                                                    _resolved(short.reps, long.reps), graphs)
+                                                    _resolved(short.reps, long.reps), graphs, period)
         t_short, t_long = _gather(t_short), _gather(t_long)
       stats = difference_stats(t_short, t_long, short.reps, long.reps)
       more = longer_reps(long.reps, stats, cfg.iters)
@@ -309,20 +315,28 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
           long = program.build_timed(coll, mesh, plan, count, dtype, more, command_buffer=arm)
         except hlo_check.HloMismatch as e:
           return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
-        with guard("timed runs", (cfg.warmup + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
+        with guard("timed runs", (untimed + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
           t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
-                                                      cfg.samples, barrier, delay, _resolved(short.reps, more), graphs)
+                                                      cfg.samples, barrier, delay, _resolved(short.reps, more), graphs,
+                                                      period)
           t_short, t_long = _gather(t_short), _gather(t_long)
         rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
         stats = difference_stats(t_short, t_long, short.reps, long.reps)
       rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
       if cfg.check:  # the timed calls' own output: their checked twins' every repetition, the final carry
         t_timed_check = time.perf_counter()
-        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps, graphs)
+        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps, graphs, period)
         timed_wrong, rec["timed_check"] = program.check_timed(point, carry, reps, digested)
+        del carry
+        if coll.compared_to_op(n, platform):  # no known output: the plain programs replayed beside their twins
+          with guard("replayed timed programs", 4 * (short.reps + long.reps) * (expected_op_s + delay)):
+            replay_wrong, replayed = program.replay_check(point, short, long)
+          timed_wrong += replay_wrong
+          rec["timed_check"] += f"; {replayed}"
         rec["timed_check_s"] = time.perf_counter() - t_timed_check
         rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
-      del carry
+      else:
+        del carry
       if cfg.overlap:  # the collective beside a matmul: three arms, timed interleaved (overlap.py)
         try:
           arms_s = 4 * (cfg.warmup + cfg.samples) * (short.reps + long.reps) * (expected_op_s + delay)
@@ -450,21 +464,28 @@ def _command_buffer_arm(cfg: SweepConfig, point: program.Point, short: program.C
     cb = program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm)
     wrong = program.check(cb, compare=cfg.check)
     out["wrong_command_buffer"] = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
-    stats = latency_stats(_gather(program.time_calls(cb, cfg.warmup, cfg.samples, barrier, delay)))
+    times, _ = program.time_calls(cb, cfg.warmup, cfg.samples, barrier, delay)
+    stats = latency_stats(_gather(times))
     out["placement"] = _placement(cb, None, None)
   else:
-    short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm, twin=False)
+    short_cb = program.build_timed(coll, mesh, plan, count, dtype, short.reps, command_buffer=arm)
     long_cb = program.build_timed(coll, mesh, plan, count, dtype, long.reps, command_buffer=arm)
     out["placement"] = {"short": short_cb.verified.command_buffer, "long": long_cb.verified.command_buffer}
-    graphs = command_buffer.GRAPH_WARMUP
+    graphs, period = command_buffer.GRAPH_WARMUP, coll.period(plan.group_size)
     t_short, t_long, carry = program.time_pairs(short_cb, long_cb, program.initial_carry(point), cfg.warmup,
-                                                cfg.samples, barrier, delay, _resolved(short.reps, long.reps), graphs)
+                                                cfg.samples, barrier, delay, _resolved(short.reps, long.reps), graphs,
+                                                period)
     t_short, t_long = _gather(t_short), _gather(t_long)
     stats = difference_stats(t_short, t_long, short.reps, long.reps)
     out["samples_command_buffer"] = int(t_long.shape[1])
     if cfg.check:  # the chain of the second arm's calls, compared like the first's
-      reps, digested = program.chain_reps(cfg.warmup, out["samples_command_buffer"], short.reps, long.reps, graphs)
+      reps, digested = program.chain_reps(cfg.warmup, out["samples_command_buffer"], short.reps, long.reps, graphs,
+                                          period)
       wrong, out["timed_check_command_buffer"] = program.check_timed(point, carry, reps, digested)
+      if coll.compared_to_op(plan.group_size, program.platform_of(mesh)):
+        replay_wrong, replayed = program.replay_check(point, short_cb, long_cb)
+        wrong += replay_wrong
+        out["timed_check_command_buffer"] += f"; {replayed}"
       out["timed_wrong_command_buffer"] = None if wrong is None else int(
           _gather(np.asarray([wrong], np.int64)).sum())
   for key in ("time_us", "time_us_min", "time_us_max", "time_method", "call_us_short", "call_us_long",
@@ -495,14 +516,13 @@ def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, r
     return program.build_check(coll, mesh, plan, count, dtype, command_buffer=arm), None, None
   pool = _compile_pool()
   check = pool.submit(program.build_check, coll, mesh, plan, count, dtype, command_buffer=arm)
-  short = pool.submit(program.build_timed, coll, mesh, plan, count, dtype, program.SHORT_REPS, command_buffer=arm,
-                      twin=False)  # the short arm has no twin: time_pairs runs the long arm's
   # a compile-only target runs nothing: no twin to check a run's values, no helper to make or compare them
+  short = _submit_long(pool, cfg, coll, mesh, plan, count, dtype, program.SHORT_REPS, arm)
   long = _submit_long(pool, cfg, coll, mesh, plan, count, dtype, reps, arm) if reps else None
   wire_dtype = (lambda: check.result().wire_dtype) if cfg.check else None
   helpers = [] if cfg.target else [pool.submit(_quietly, job) for job in
                                    program.helper_compiles(coll, mesh, plan, count, dtype, wire_dtype)]
-  point, short = check.result(), short.result()
+  point, short = check.result(), short()
   long = long() if long else None
   for job in helpers:
     job.result()
@@ -511,7 +531,7 @@ def _compile_point(cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str, r
 
 def _submit_long(pool: futures.ThreadPoolExecutor, cfg: SweepConfig, coll, mesh, plan, count: int, dtype: str,
                  reps: int, arm: command_buffer.Arm | None) -> Callable[[], program.Compiled]:
-  """The long arm and its checked twin compiling side by side; returns what waits for both."""
+  """A timed arm and its checked twin compiling side by side; returns what waits for both."""
   plain = pool.submit(program.build_timed, coll, mesh, plan, count, dtype, reps, command_buffer=arm, twin=False)
   twin = None if cfg.target else pool.submit(program.build_twin, coll, mesh, plan, count, dtype, reps, arm)
 
