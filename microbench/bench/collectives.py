@@ -106,6 +106,10 @@ class Collective(abc.ABC):
     """Why this collective can't run over groups of n (one line), or None."""
     return None
 
+  def refuses_platform(self, platform: str) -> str | None:
+    """Why this collective can't be measured on devices of `platform` (one line), or None."""
+    return None
+
   def in_place_form(self) -> "Collective":
     """A fresh instance of this collective's in-place form: the same op with its input donated, unless its
     input and output differ in size (all-gather, reduce-scatter: nccl-tests' layouts, their own classes)."""
@@ -182,8 +186,8 @@ class Collective(abc.ABC):
 
   def compared_to_op(self, n: int, platform: str) -> bool:
     """No known buffer holds some repetition's output (a chained sum grows n-fold a repetition, rounded): the
-    checked twin then compares each repetition's output with one operation of the collective (the one the
-    check program verified exactly) on that repetition's own input, computed beside it."""
+    checked twins' repetitions are then compared with the check program (the operation verified exactly) run on
+    its own outputs, and the timed programs replayed beside their twins (program.chain_digests, replay_check)."""
     return any(self.rep_output(0, k, n, platform) is None for k in range(1, self.period(n) + 1))
 
   def final_carry(self, rank: int, reps: int, n: int, platform: str) -> tuple[tuple[str, int] | None, ...]:
@@ -195,7 +199,7 @@ class Collective(abc.ABC):
   def slot_sources(self, platform: str) -> tuple[str, ...]:
     """What the timed carry's data slots start as: "in" the known inputs, "alt_in" the second known inputs
     (known_inputs.alt_shift), "fill" a buffer of known_inputs.FILL (an output slot: a value no correct output
-    holds, so an element a repetition fails to write can't keep a right value)."""
+    holds, so an element a repetition fails to write can't keep a right value), "zero" zeros (a counter)."""
     return ("in",) if self.feedback_on(platform) == "chain" else ("in", "fill")
 
   @property
@@ -657,6 +661,14 @@ class RaggedAllToAll(Collective):
               " input differ in size)")
     return None
 
+  def refuses_platform(self, platform):
+    if platform == "tpu":
+      return (f"{self.name} on a TPU: XLA:TPU's ragged-all-to-all moves rows (a flat buffer becomes rows of one"
+              " element, each padded to a whole tile: 256x the memory), and the padded emulation rewrites its"
+              " gather indices every repetition; an expert-parallel dispatch of token rows is what to measure"
+              " there (microbench-train --model=mixtral --parallelism=ep:N)")
+    return None
+
   def layout(self, count: int, n: int) -> ragged_sizes.Layout:
     return ragged_sizes.layout(self.dist, n, count)
 
@@ -726,8 +738,10 @@ class RaggedAllToAll(Collective):
     # The packing reads the inputs at indices that depend on the buffer's first element (never the dtype's
     # lowest number in a correct output): a loop-invariant gather and all-to-all could be hoisted otherwise.
     lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo(x.dtype).min
+    # (Added after the clamp: with one element per rank every index clamps to 0, and the gather, then the
+    # all-to-all, would be loop-invariant; XLA hoisted them.)
     after = (buf[0] == jnp.asarray(lowest, buf.dtype)).astype(jnp.int32)
-    at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :] + after, x.shape[0] - 1)
+    at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :], x.shape[0] - 1) + after
     got = lax.all_to_all(x[at], axes, 0, 0, tiled=True)  # [n, block]: row q from source q
     q, j, used = self._unpack(out_off[:, r], sizes[:, r], lax.iota(jnp.int32, buf.shape[0]))
     return jnp.where(used, got[q, jnp.minimum(j, block - 1)], buf)

@@ -68,6 +68,16 @@ def refusal(setting: str, platform: str) -> str | None:
           f" {platform}; drop the flag, or add --target=KIND to compile for a GPU kind and check them")
 
 
+def refuses_collective(setting: str, name: str) -> str | None:
+  """Why `name` can't be measured with command buffers (one line), or None: XLA:GPU launches the ragged
+  all-to-all outside them whatever is asked (its thunk sequence has every ragged collective outside; a
+  target sweep shows it), so --command_buffer would measure nothing it promises."""
+  if setting != "no" and name.startswith("ragged_all_to_all"):
+    return (f"--command_buffer={setting} with {name}: XLA:GPU launches the ragged all-to-all outside command"
+            " buffers (none of its collective thunks is captured); measure it without --command_buffer")
+  return None
+
+
 def main_arm(setting: str, platform: str) -> Arm | None:
   """The arm of a point's main programs: None off GPUs (nothing is set: XLA:CPU has no command buffers);
   `both` times the plain programs first (its `time_us`, as nccl-tests' default) and `yes` as the second arm.

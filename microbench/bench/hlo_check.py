@@ -80,6 +80,10 @@ class Expectation:
   # all-reduce of a zero-padded buffer and a reduce-scatter as an all-reduce and a slice. Checked as that op over
   # the same groups, and said (Verified.written_as).
   rewrites: tuple[tuple[str, int], ...] = ()
+  # The ragged all-to-all's size and offset tables (XLA:GPU's ragged-all-to-all takes four of n entries each,
+  # converted to s64): writes of exactly this many index elements made from nothing larger are the op's operands
+  # (a message below n elements is smaller than them). None: no tables.
+  tables: int | None = None
   # Several TPU slices (multislice): chips per slice. XLA:TPU compiles one slice's program, its groups in
   # slice-local ids; a scope inside a slice is checked on slice 0's groups, one across slices as Megascale (DCN)
   # transfers (`verify_dcn`). None: one slice, or not a TPU.
@@ -98,8 +102,13 @@ class Verified:
   body_writes: int | None = None  # elements the loop body writes besides the collective, per trip
   copies: int | None = None  # in place: message-sized copies per call (0: the op itself ran in place)
   staged: int | None = None  # XLA:TPU: message-sized staging copies (on-chip memory, once per call) per call
-  relaid: int | None = None  # XLA:TPU: elements its re-tiling of the op's operand or result writes to HBM, per call
+  # elements per call the platform's form of the op writes besides the collective (XLA:TPU's re-tiling of its
+  # operand or result in HBM, a split op's merge, XLA:CPU's tuple all-to-all and widening converts, the padded
+  # buffer of an all-gather written as an all-reduce): part of what the point measures (sweep.form)
+  form_writes: int | None = None
   written_as: str | None = None  # the platform's own form of the op (`rewrites`), e.g. "all-gather as all-reduce"
+  packed_in: str | None = None  # XLA:TPU: an 8- or 16-bit reduction's elements travel packed in this word type
+  unaliased: bool = False  # in place asked, but XLA:TPU gave the result a buffer of its own (out of place)
   dcn: dict | None = None  # across TPU slices: the Megascale transfers per call and the ICI collectives beside them
   # XLA:GPU's command buffers as compiled (verify_command_buffer): asked, and how many of the collectives and
   # loops run inside one; None where the thunk sequence was not read
@@ -112,8 +121,10 @@ class Verified:
             "sync_starts": self.sync_starts, "wire_dtype": self.wire_dtype, "body_writes": self.body_writes,
             **({"inplace_copies": self.copies} if self.copies is not None else {}),
             **({"staging_copies": self.staged} if self.staged is not None else {}),
-            **({"relayout_elements": self.relaid} if self.relaid else {}),
+            **({"form_writes": self.form_writes} if self.form_writes else {}),
             **({"written_as": self.written_as} if self.written_as else {}),
+            **({"packed_in": self.packed_in} if self.packed_in else {}),
+            **({"inplace_unaliased": True} if self.unaliased else {}),
             **({"dcn": self.dcn} if self.dcn else {}),
             **({"algorithm": algo} if (algo := parse.algorithm_config(self.match.text)) else {}),
             **({"command_buffer": self.command_buffer} if self.command_buffer is not None else {})}
@@ -199,8 +210,11 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
         return dataclasses.replace(v, written_as=f"{exp.op} as {op}")
   matches = verify_groups(hlo_text, exp.op, exp.groups, exp.ordered, want)
   asked = HLO_TYPE[exp.dtype]
-  wire = set()
+  wire, packed = set(), False
   for c in matches:
+    if exp.onchip_staging and _packed_words(hlo_text, c, asked, exp.elements):
+      packed = True  # XLA:TPU's 8-bit reduction: the same bytes, four to a u32 word, unpacked by its reducer
+      continue
     for t in c.element_types:
       if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())):
         raise HloMismatch(f"{exp.op} runs on {t} data, the benchmark asked for {exp.dtype} ({asked}): {c.text[:200]}")
@@ -230,17 +244,44 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
-  if exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0:
+  unaliased = exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0
+  if unaliased and not exp.onchip_staging:
     raise HloMismatch("in place asked, but the program's result does not take its input's buffer (no"
                       f" input_output_alias of the result to parameter 0): {hlo_text.split(chr(10), 1)[0][:240]}")
-  writes, copies, staged, relaid = None, None, None, None
+  writes, copies, staged, form_writes = None, None, None, None
   if exp.copy_limit is not None:
-    writes, copies, staged, relaid = _no_big_writes(
+    writes, copies, staged, form_writes = _no_big_writes(
         hlo_text, comps, exp.copy_limit if exp.strict_writes else None, in_loops, op_writes=exp.writes_are_the_op,
-        count_copies=counts if exp.aliased else None, staging=counts if exp.onchip_staging else None)
-  return Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
+        count_copies=counts if exp.aliased else None, staging=counts if exp.onchip_staging else None,
+        executions=counts, tables=exp.tables)
+  v = Verified(matches[0], DTYPE_OF.get(wire.pop() if wire else asked, exp.dtype), total,
                   tuple(t for t in trips if t is not None), inside, tuple(c.emitted for c in matches),
-                  sum(1 for c in matches if c.sync), writes, copies, staged=staged, relaid=relaid)
+                  sum(1 for c in matches if c.sync), writes, copies, staged=staged, form_writes=form_writes)
+  # XLA:TPU keeps some small donated buffers (a few 8-bit elements) out of place: said, as a copy would be
+  return dataclasses.replace(v, packed_in="u32" if packed else None, unaliased=bool(unaliased))
+
+
+_TILE_WORDS, _MIN_ROWS = 128, 8  # XLA:TPU pads a packed buffer to whole rows of 128 words, and at least 8 rows
+
+
+_PER_WORD = {"f8e4m3fn": 4, "f8e5m2": 4, "bf16": 2, "f16": 2}  # elements of a 32-bit word
+
+
+def _packed_words(hlo_text: str, c: HloCollective, asked: str, elements: int) -> bool:
+  """XLA:TPU's form of an 8- or 16-bit reduction: the op runs on u32 words each holding 4 (or 2) of the dtype's
+  elements, its reduction computation unpacking them into the asked type, its words the message's bytes
+  padded to whole rows of 128 (at least 8 rows, and at most a row more per rank). Not a widening: the same
+  bytes cross the links."""
+  if list(c.element_types) != ["u32"] or asked not in _PER_WORD:
+    return False
+  reducer = re.search(r"to_apply=%?([\w.\-]+)", c.text)
+  comps = parse.computations(hlo_text)
+  body = comps.get(reducer.group(1)) if reducer else None
+  if body is None or not any(f" {asked}[]" in line for line in body.lines):
+    return False
+  words = -(-elements // _PER_WORD[asked])
+  ranks = max((len(g) for g in c.groups), default=1)  # an all-gather's padded buffer: a row's padding per rank
+  return words <= c.elements <= max(-(-words // _TILE_WORDS) + ranks, _MIN_ROWS) * _TILE_WORDS
 
 
 def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
@@ -287,11 +328,11 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
   if exp.in_loop and (inside == 0 or (total - inside) // per_op > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} DCN transfers outside a loop with a known trip"
                       " count")
-  writes, staged, relaid = None, None, None
+  writes, staged, form_writes = None, None, None
   if exp.copy_limit is not None:
     # an all-gather or reduce-scatter across slices: XLA:TPU's forms inside each slice (a zero-padded all-reduce
     # and its crop, an all-reduce and its slice) write the message as part of the op, as verify's rewrites do
-    writes, _, staged, relaid = _no_big_writes(hlo_text, comps, exp.copy_limit if exp.strict_writes else None, in_loops,
+    writes, _, staged, form_writes = _no_big_writes(hlo_text, comps, exp.copy_limit if exp.strict_writes else None, in_loops,
                                                op_writes=exp.writes_are_the_op or bool(exp.rewrites), staging=counts)
   first = transfers[0]
   match = HloCollective(exp.op, (), first.line, first.element_types, first.elements, first.computation,
@@ -301,7 +342,7 @@ def verify_dcn(hlo_text: str, exp: Expectation) -> Verified:
          "ici_collectives_per_call": sum(counts.get(c.computation) or 0 for c in ici), "ici_ops": sorted({c.op for c in ici})}
   return Verified(match, wire, exp.executions, tuple(t for t in trips if t is not None), inside // per_op,
                   tuple(f"megascale-{t.transfer.lower().replace('_', '-')}" for t in transfers), dcn=dcn,
-                  body_writes=writes, staged=staged, relaid=relaid)
+                  body_writes=writes, staged=staged, form_writes=form_writes)
 
 
 def _loops(hlo_text: str) -> tuple[dict[str, parse.Computation], dict[str, int | None], dict[str, "WhileTrip"]]:
@@ -479,7 +520,8 @@ def relayouts(comp: parse.Computation, comps: dict[str, parse.Computation]) -> s
   """The instructions of `comp` that re-tile a collective's operand or result (XLA:TPU's form of a flat
   collective: its buffers change tiling on the way in and out), or join the parts of an op it split (`_merge`):
   every chain of layout-only instructions (`_layout_only`) that ends in a collective's operand or starts at its
-  result, and selects whose every array operand is such a result. Nothing that computes is in a chain, and
+  result, and selects whose every array operand is such a result; an unaligned operand's copies into the padded
+  buffer XLA:TPU zeroes the tail of (`_zero_crop`). Nothing that computes is in a chain, and
   each writes the elements it reads, so what they write is the op's own form."""
   instrs = [d for d in map(parse.parse_instruction, comp.lines) if d is not None]
   defs = {d.name: d for d in instrs}
@@ -498,19 +540,40 @@ def relayouts(comp: parse.Computation, comps: dict[str, parse.Computation]) -> s
       if u.opcode == "get-tuple-element" or _layout_only(u, defs, comps) or len(data) > 1 and _merge(u, comps):
         out.add(u.name)
         grew = True
-  todo = [o for d in ops for o in parse.operands(d)]
+  todo = [(o, False) for d in ops for o in parse.operands(d)]
   while todo:  # backward from each collective's operands
-    d = defs.get(todo.pop())
-    if d is not None and d.name not in out and _layout_only(d, defs, comps):
+    name, padded = todo.pop()
+    d = defs.get(name)
+    if d is None or d.name in out:
+      continue
+    pad = _zero_crop(d)  # XLA:TPU zeroing the tile padding of an unaligned operand: copied in first, any layout
+    if pad or _layout_only(d, defs, comps) or padded and d.opcode in ("copy", "copy-start", "copy-done"):
       out.add(d.name)
-      todo.extend(parse.operands(d)[:1])
+      todo.extend((o, padded or pad) for o in parse.operands(d)[:1])
   return out
+
+
+def _zero_crop(ins: parse.Instr) -> bool:
+  """XLA:TPU's `ZeroCrop`: a buffer whose length is no whole number of tiles, its padding zeroed in place
+  before a collective reads it (the operand was copied into the padded buffer just before)."""
+  return ins.opcode == "custom-call" and 'custom_call_target="ZeroCrop"' in ins.rest
+
+
+def _index_table(ins: parse.Instr, elements: int, tables: int, defs: dict[str, parse.Instr]) -> bool:
+  """An op's index table: exactly `tables` integer elements, computed from constants (the whole size table) and
+  nothing else larger (the device's index), so no message data flows into it."""
+  types, _ = parse.result_arrays(ins.type_text)
+  small = all(defs[o].opcode == "constant" or parse.result_arrays(defs[o].type_text)[1] <= tables
+              for o in parse.operands(ins) if o in defs)
+  return elements == tables and set(types) <= {"s32", "s64", "u32", "u64"} and small
 
 
 def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: int | None, in_loops: dict,
                    op_writes: bool = False,
                    count_copies: dict[str, int | None] | None = None,
-                   staging: dict[str, int | None] | None = None) -> tuple[int, int | None, int | None, int | None]:
+                   staging: dict[str, int | None] | None = None,
+                   executions: dict[str, int | None] | None = None,
+                   tables: int | None = None) -> tuple[int, int | None, int | None, int]:
   """Fails on any instruction besides the collective that writes `limit` elements or more (a copy, or a
   slice, concatenate, convert or reverse fusion that moves the message) anywhere in a timed program; with
   `op_writes` (the platform's form of the op writes the message itself: XLA:CPU) only copies fail; with `limit`
@@ -519,11 +582,12 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
   With `staging` (XLA:TPU), message-sized copies to or from on-chip memory, and writes outside the loop (once
   per call: the two arms' difference cancels them), are counted, not failed; and so are the re-tilings of a
   collective's operand or result in HBM inside the loop (`relayouts`), which are the op's own form there and
-  are what the point measures with it: their elements are returned so the record can say so. Returns the
-  elements the loop body writes besides the collective, per trip, the copies and the staging copies per call,
-  and the elements re-tiled in HBM per call (None off XLA:TPU)."""
+  are what the point measures with it. The writes `op_writes` excuses and these re-tilings are the form's
+  writes: their elements per call (`executions`: each computation's executions per call) are returned so the
+  record can say what the op costs there. Returns the elements the loop body writes besides the collective,
+  per trip, the copies and the staging copies per call, and the form's writes per call."""
   body, copies, staged = 0, None if count_copies is None else 0, None if staging is None else 0
-  relaid = None if staging is None else 0
+  form_writes, executions = 0, executions or staging or count_copies or {}
   chains = {name: relayouts(comps[name], comps) for name in in_loops} if staging is not None else {}
   defs: dict[str, dict[str, parse.Instr]] = {}
 
@@ -536,23 +600,26 @@ def _no_big_writes(hlo_text: str, comps: dict[str, parse.Computation], limit: in
     for elements, ins in writes:
       if name in in_loops:
         body += elements
-      if limit is None:
+      if limit is None or tables and _index_table(ins, elements, tables, defs_of(name)):
         continue
       if staging is not None and elements >= limit:
         if _staging_copy(ins) or name not in in_loops or _from_onchip(ins, defs_of(name)):
           staged += staging.get(name) or 1
           continue
         if ins.name in chains.get(name, ()):  # XLA:TPU re-tiling the op's operand or result in HBM
-          relaid += elements * (staging.get(name) or 1)
+          form_writes += elements * (staging.get(name) or 1)
           continue
       if count_copies is not None and elements >= limit and ins.opcode in ("copy", "copy-start"):
         copies += count_copies.get(name) or 1
         continue
-      if elements >= limit and (not op_writes or ins.opcode in ("copy", "copy-start")):
+      if elements >= limit and op_writes and ins.opcode not in ("copy", "copy-start"):
+        form_writes += elements * (executions.get(name) or 1)  # the platform's form of the op writes the message
+        continue
+      if elements >= limit:
         where = "the loop body" if name in in_loops else "the program"
         raise HloMismatch(f"{where} writes {elements} elements besides the collective (a buffer of the message's"
                           f" size) on every {'repetition' if name in in_loops else 'call'}: {ins.line.strip()[:200]}")
-  return body, copies, staged, relaid
+  return body, copies, staged, form_writes
 
 
 def verify_command_buffer(verified: Verified, thunk_text: str | None, on: bool, loop: bool) -> Verified:

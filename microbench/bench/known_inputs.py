@@ -60,7 +60,7 @@ GROUP_STEP = 7  # residue offset between groups (coprime to every L)
 # letter): what an output buffer holds before a collective writes it (the timed carry's output slot, the
 # ragged all-to-all's buffer), so an element the collective fails to write can never hold the right value.
 FILL = {"float32": -(1 << 23) - 1, "int32": -(1 << 29) - 1, "bfloat16": -258, "float16": -2050,
-        "float8_e4m3fn": -256, "float8_e5m2": -256}
+        "float8_e4m3fn": -256, "float8_e5m2": -1024}
 
 
 def as_dtype(values, dtype: str) -> np.ndarray:

@@ -253,14 +253,12 @@ def build_both(coll: Collective, mesh: jax.sharding.Mesh, plan: ScopePlan, count
                              comm.checked if comm is not None else None, digest=True)
     return arm
   counts = program.carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype, platform)
-  against_op = digest and coll.compared_to_op(n, platform)
   ns = len(counts)
   cdt = program.DTYPES[compute_dtype(dtype)]
 
   def one(c):
     slots, y = coll.step(c[:ns], plan.axes, n, platform)
-    ref = program.reference_op(coll, c[0], y, plan.axes, n, platform) if against_op else None
-    acc = program.fold(c[ns], y, ref) if digest else c[ns]
+    acc = program.fold(c[ns], y) if digest else c[ns]
     return (*slots, acc, matmul(c[ns + 1], c[ns + 2]), c[ns + 2])
 
   def per_device(*carry):

@@ -19,9 +19,10 @@
   are compared with what the known buffers give: the check program's output (verified element by element)
   and the known inputs, `Collective.rep_output` saying which one each repetition must reproduce. Where no
   known buffer holds a repetition's output (a chained sum grows n-fold a repetition and rounds), the twin
-  compares each repetition with one operation of the collective on that repetition's own input
-  (`Collective.compared_to_op`), and each plain program is replayed from the known inputs beside its twin,
-  their final outputs compared (`replay_check`). A repetition that added 1, moved nothing or corrupted one
+  (`Collective.compared_to_op`) the digests the twins must give come from the check program itself, run
+  repetition after repetition on its own outputs from the known inputs (`chain_digests`: an operation verified
+  exactly, compiled apart from the timed programs), and each plain program is replayed from the known inputs
+  beside its twin, their final outputs compared (`replay_check`). A repetition that added 1, moved nothing or corrupted one
   element changes its digest, and MUL is odd, so no later one undoes it.
 - **Time by difference**: the short arm runs `SHORT_REPS` = 2 operations (one trip, which XLA inlines:
   two operations back to back), the long arm k2 >= 6 (a loop of k2/2 trips). Samples alternate between the
@@ -34,6 +35,7 @@ Barriers sit outside the timed region; compile time is measured separately.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import time
@@ -190,15 +192,14 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
                 timed: bool, twin: bool = False) -> hlo_check.Expectation:
   """What a point's program must compile to: the check program (one operation), a timed program (`reps`
   operations in a loop) or its checked `twin` (the same, digested: never timed, so its writes are reported and
-  none fails; where the twin compares each repetition with one operation on its input, two per repetition)."""
+  none fails)."""
   op = coll.hlo_expect(platform)
   n = scope.group_size
   message = max(2, min(coll.in_count(count, n), coll.out_count(count, n)))
-  per_rep = 2 if twin and coll.compared_to_op(n, platform) else 1
   return hlo_check.Expectation(
       op=op, groups=coll.hlo_groups(scope.groups), ordered=coll.ordered_groups and op != "all-reduce", dtype=dtype,
-      elements=coll.op_elements(count, n), executions=reps * per_rep,
-      in_loop=timed and reps > SHORT_REPS, outside_max=2 * per_rep if timed else 0,
+      elements=coll.op_elements(count, n), executions=reps,
+      in_loop=timed and reps > SHORT_REPS, outside_max=2 if timed else 0,
       # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
       # In place, the one-operation program is read too: whether XLA ran the op in its input's buffer.
       copy_limit=message if timed or coll.inplace else None, strict_writes=not twin,
@@ -214,6 +215,7 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
           coll.hlo_op in ("all-to-all", "collective-broadcast", "ragged-all-to-all")
           or dtype in ("bfloat16", "float16", *known_inputs.FP8)),
       aliased=coll.inplace, onchip_staging=platform == "tpu", rewrites=_tpu_rewrites(coll, count, n, platform),
+      tables=n if op == "ragged-all-to-all" else None,
       slice_devices=slice_devices(scope, platform))
 
 
@@ -273,6 +275,28 @@ def build_check(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, cou
   return Point(coll, scope, dtype, count, mesh, Compiled(compiled, text, verified, 1))
 
 
+# The ring cost of the form XLA:TPU writes an all-gather or a reduce-scatter in (an all-reduce of the whole buffer:
+# 2 (n-1)/n of it per rank) over the op's own ((n-1)/n): what each byte of the op costs on the links there.
+WIRE_FACTOR = {"all-gather as all-reduce": 2.0, "reduce-scatter as all-reduce": 2.0}
+
+
+def form(coll: Collective, count: int, n: int, prog: Compiled) -> dict:
+  """What the platform's form of the op adds to what a point measures, from a program's HLO check: the form XLA
+  wrote the op in and its link traffic over the op's own (`wire_factor`), elements packed into wider words,
+  and the message-sized HBM writes besides the collective per operation (`hbm_passes_per_op`: re-tiling, a
+  split op's merge, a padded buffer, XLA:CPU's tuple all-to-all). Empty where the op is just itself."""
+  v, out = prog.verified, {}
+  if v.written_as:
+    out.update(written_as=v.written_as, wire_factor=WIRE_FACTOR.get(v.written_as, 1.0))
+  if v.packed_in:
+    out["packed_in"] = v.packed_in
+  if v.unaliased:
+    out["out_of_place"] = "in place asked; XLA gave the result its own buffer"
+  if v.form_writes:
+    out["hbm_passes_per_op"] = round(v.form_writes / max(1, v.executions) / max(1, coll.op_elements(count, n)), 3)
+  return out
+
+
 def carry_counts(coll: Collective, in_count: int, out_count: int, dtype: str, platform: str) -> list[int]:
   """Elements per rank of each data slot of the timed carry (the digest accumulator comes after them)."""
   shapes = jax.eval_shape(lambda x: coll.carry(x, out_count, platform),
@@ -317,20 +341,9 @@ def digest(y: jax.Array) -> jax.Array:
     return jnp.sum(mix32(bits.astype(jnp.uint32) + key), dtype=jnp.uint32).reshape(1)
 
 
-def fold(acc: jax.Array, y: jax.Array, reference: jax.Array | None = None) -> jax.Array:
-  """The accumulator after one more repetition whose output is y; given the `reference` output that repetition
-  must equal (Collective.compared_to_op), their digests' difference (0 when they agree) instead."""
-  d = digest(y) if reference is None else digest(y) - digest(reference)
-  return acc * jnp.uint32(DIGEST_MUL) + d
-
-
-def reference_op(coll: Collective, x: jax.Array, y: jax.Array, axes: tuple[str, ...], n: int,
-                 platform: str) -> jax.Array:
-  """One operation of `coll` on a repetition's input `x`, computed after that repetition's output `y` exists
-  (Collective.compared_to_op): its input is `x` fed through `hold` from y's first element (the same values),
-  so XLA can neither merge the two collectives into one (its combiners join independent all-reduces and
-  reduce-scatters; an optimization barrier did not stop them) nor compute one for both."""
-  return coll.op(collectives.hold(x, y), axes, n, platform)
+def fold(acc: jax.Array, y: jax.Array) -> jax.Array:
+  """The accumulator after one more repetition whose output is y."""
+  return acc * jnp.uint32(DIGEST_MUL) + digest(y)
 
 
 def build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
@@ -352,19 +365,36 @@ def build_twin(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, coun
   return _build_timed(coll, mesh, scope, count, dtype, reps, digest=True, command_buffer=command_buffer)
 
 
+_TRACING: contextvars.ContextVar[tuple[int, bool] | None] = contextvars.ContextVar("tracing", default=None)
+
+
+def tracing() -> tuple[int, bool] | None:
+  """While a timed program's step is traced: (its operations, whether it is the checked twin); None while the
+  check program is (a collective whose step depends on it is one the check must catch: microbench.bench.mutants)."""
+  return _TRACING.get()
+
+
 def _build_timed(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
                  reps: int, digest: bool, command_buffer: cmdbuf.Arm | None = None) -> Compiled:
   if reps % 2 or reps < SHORT_REPS:
     raise ValueError(f"timed programs run an even number >= {SHORT_REPS} of operations, not {reps}")
+  token = _TRACING.set((reps, digest))
+  try:
+    return _build_timed_traced(coll, mesh, scope, count, dtype, reps, digest, command_buffer)
+  finally:
+    _TRACING.reset(token)
+
+
+def _build_timed_traced(coll: Collective, mesh: jax.sharding.Mesh, scope: ScopePlan, count: int, dtype: str,
+                        reps: int, digest: bool, command_buffer: cmdbuf.Arm | None) -> Compiled:
   n, platform = scope.group_size, platform_of(mesh)
   counts = carry_counts(coll, coll.in_count(count, n), coll.out_count(count, n), dtype, platform)
-  against_op = digest and coll.compared_to_op(n, platform)
 
   def one(c):
     slots, y = coll.step(c[:-1], scope.axes, n, platform)
     if not digest:
       return (*slots, c[-1])
-    return (*slots, fold(c[-1], y, reference_op(coll, c[0], y, scope.axes, n, platform) if against_op else None))
+    return (*slots, fold(c[-1], y))
 
   def per_device(*carry):
     return timed_loop(coll, one, reps, tuple(carry))
@@ -405,6 +435,8 @@ def initial_carry(point: Point) -> tuple[jax.Array, ...]:
       point.x = None  # the first timed call consumes it
     elif source == "alt_in":
       slots.append(known_input_array(point, alt=True))
+    elif source == "zero":
+      slots.append(_zeros(point.mesh, c, dt)())
     else:
       slots.append(_zeros(point.mesh, c, dt, known_inputs.FILL[point.dtype])())
   return (*slots, _zeros(point.mesh, 1, jnp.uint32)())
@@ -570,14 +602,14 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int,
   whole output of each of the `digested` = (offset, count) repetitions the checked twins ran, in order; all
   of them by default) and the digests of the final carry's slots that a known buffer holds (a chain carries
   every repetition's output into them). Where no known buffer holds a repetition's output
-  (Collective.compared_to_op), each digested repetition counts 0 (its output equalled one operation on its
-  input) and replay_check compares the plain programs. Nothing but a digest of the final slots runs. Returns
-  the count of this process's ranks whose outputs differed (None when not compared) and a note: what was
-  compared, or why not."""
+  (Collective.compared_to_op), the digests each repetition must give come from `chain_digests` (the check
+  program run on its own outputs), and replay_check compares the plain programs. Returns the count of this
+  process's ranks whose outputs differed (None when not compared) and a note: what was compared, or why not."""
   offset, count = digested if digested is not None else (0, reps)
   if point.digests is None:
     return None, "not compared: the check program's output was not compared (--nocheck)"
   coll, n, table, platform = point.collective, point.n, point.digests, point.platform
+  chain = chain_digests(point, offset + count) if coll.compared_to_op(n, platform) else None
   slots, acc = carry[:-1], carry[-1]
   named = coll.final_carry(0, reps, n, platform)
   kept = [i for i, b in enumerate(named) if b is not None]
@@ -592,38 +624,53 @@ def check_timed(point: Point, carry: tuple[jax.Array, ...], reps: int,
     group = point.scope.groups[gi]
 
     def known(buffer: tuple[str, int] | None, group=group) -> int:
-      if buffer is None:  # compared with one operation on its input inside the twin: their difference, 0
-        return 0
       kind, q = buffer
       return int(table[group[q], BUFFERS.index(kind)])
 
-    want_acc = expected_acc([known(coll.rep_output(rank, offset + k, n, platform)) for k in range(1, period + 1)],
-                            count)
+    if chain is not None:  # the check program's own chain, repetition by repetition
+      want_acc = expected_acc([int(d) for d in chain[offset:offset + count, position]], count)
+    else:
+      want_acc = expected_acc([known(coll.rep_output(rank, offset + k, n, platform)) for k in range(1, period + 1)],
+                              count)
     want_final = [known(b) for b in coll.final_carry(rank, reps, n, platform) if b is not None]
     got_final = [int(v) for v in final[position]] if final is not None else []
     wrong += int(np.asarray(shard.data)[0]) != want_acc or got_final != want_final
-  if coll.compared_to_op(n, platform):
-    return wrong, (f"every one of the {count} checked repetitions (the untimed twins of both arms) compared with one"
-                   f" operation on its own input: no known buffer holds a chained {coll.redop or ''} {coll.hlo_op}'s"
-                   " output; the plain programs replayed from the known inputs beside their twins")
+  if chain is not None:
+    return wrong, (f"every one of the {count} checked repetitions (the untimed twins of both arms) compared with the"
+                   f" check program run on its own outputs: no known buffer holds a chained {coll.redop or ''}"
+                   f" {coll.hlo_op}'s output; the plain programs replayed from the known inputs beside their twins")
   if count == reps:
     return wrong, f"every one of the {reps} repetitions compared (output digests)"
   return wrong, (f"every output of the {count} checked repetitions (the untimed twins of both arms, at least one"
                  f" period of the chain) and the final output of the timed calls after all {reps} compared (digests)")
 
 
+def chain_digests(point: Point, reps: int) -> np.ndarray:
+  """[reps, devices] uint32: every rank's digest of the output of each of `reps` operations chained from the known
+  inputs, computed by the check program (verified element by element on those inputs, compiled apart from the
+  timed programs), each call's output the next one's input: what a chained collective's repetitions must give
+  where no known buffer holds them. A repetition's output is bit for bit the check program's on the same
+  input: the same collective on the same data (the replay of the plain programs relies on the same)."""
+  x, out = known_input_array(point), []
+  for _ in range(reps):
+    x = run_check_program(point, x)
+    out.append(np.asarray(_digest_all(point.mesh)(x)))
+  return np.stack(out) if out else np.zeros((0, point.mesh.size), np.uint32)
+
+
 def replay_check(point: Point, short: Compiled, long: Compiled,
                  fresh: Callable[[], tuple[jax.Array, ...]] | None = None, acc_at: int = -1) -> tuple[int, str]:
   """For a collective whose chained outputs no known buffer holds (Collective.compared_to_op): each timed
   program and its twin run once more, untimed, from the known inputs; the plain program's final output must
-  equal the twin's, whose every repetition was compared with one operation on its input (and its
-  accumulator must say so). A repetition the plain program gets wrong changes every later one (the chain
+  equal the twin's, whose every repetition must equal the check program's own chain (its accumulator must
+  say so: chain_digests). A repetition the plain program gets wrong changes every later one (the chain
   carries it), so its final output differs. `fresh` makes a start carry (default: initial_carry), whose
   accumulator sits at `acc_at` (overlap's arms carry a matmul's operands after it). Returns this process's
   ranks that differ and a note."""
   fresh = fresh or (lambda: initial_carry(point))
   wrong = np.zeros(point.mesh.size, bool)
   local = [i for i, d in enumerate(point.mesh.devices.flat) if d.process_index == jax.process_index()]
+  chain = chain_digests(point, max(short.reps, long.reps))
   for prog in (short, long):
     twin = _run(prog.checked, fresh())
     plain = _run(prog, fresh())
@@ -632,7 +679,8 @@ def replay_check(point: Point, short: Compiled, long: Compiled,
       if i != acc and a.ndim == 1:
         wrong |= np.asarray(_digest_all(point.mesh)(a)) != np.asarray(_digest_all(point.mesh)(b))
     for shard in twin[acc].addressable_shards:
-      wrong[shard.index[0].start or 0] |= int(np.asarray(shard.data)[0]) != expected_acc([0], prog.reps)
+      p = shard.index[0].start or 0
+      wrong[p] |= int(np.asarray(shard.data)[0]) != expected_acc([int(d) for d in chain[:prog.reps, p]], prog.reps)
   return int(wrong[local].sum()), (f"the short and long programs replayed from the known inputs: final outputs equal"
                                    " to their checked twins'")
 

@@ -235,6 +235,11 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     if out.enabled:
       _write_model(outdir, run_folder.latest(previous + records), out)
   everything = run_folder.latest(previous + records)
+  if status == "finished" and not everything:  # every scope skipped, every point refused: nothing was checked
+    why = "; ".join(f"{p.name}: {p.skip_reason}" for p in plans if p.skip_reason) or (
+        "every collective refused every dtype or group size asked")
+    print(f"microbench: error: nothing to measure or check ({why}); no point is recorded", file=sys.stderr)
+    return 2
   out.print()
   if not target:
     out.print(table.summary(everything))
@@ -246,7 +251,8 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
     too_big = [r for r in compiled if r.get("fits") is False]
     usable = ("the whole" if tpu else f"the {compile_only.mem_fraction():.0%} of")
     why = "XLA:TPU's allocator has all of it" if tpu else "XLA_PYTHON_CLIENT_MEM_FRACTION"
-    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, every HLO check passed on"
+    checked = "every one's HLO check passed" if not errors else f"{len(errors)} more failed their HLO check"
+    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, {checked} on"
               f" {'XLA:TPU' if tpu else 'XLA:GPU'}'s HLO; {len(too_big)} do not fit {usable}"
               f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses ({why})")
   else:

@@ -242,6 +242,10 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   except hlo_check.HloMismatch as e:
     return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
   except Exception as e:  # pylint: disable=broad-except
+    if cfg.target and "RESOURCE_EXHAUSTED" in str(e):  # XLA's own refusal to place the buffers: does not fit
+      return {**rec, "status": "compiled", "target": cfg.target, "programs": {}, "fits": False,
+              "memory_bytes": None, "device_memory_bytes": cfg.device_memory, "usable_bytes": cfg.device_memory,
+              "reason": f"XLA refused to compile it for the target's memory: {_first_line(e)}"}
     return {**rec, "status": "failed", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
              wire_dtype=point.wire_dtype, check_runs=point.check_runs)
@@ -295,6 +299,8 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
       rec["iters"], rec["short_iters"] = long.reps, short.reps
       rec["trip_count"] = max(long.verified.trip_counts, default=None)
       rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
+      if shape := program.form(coll, count, n, long):  # the platform's form of the op: part of what is timed
+        rec["form"] = shape
       if coll.inplace:
         rec["inplace_copies_per_op"] = long.verified.copies / long.reps
       carry = program.initial_carry(point)
@@ -416,7 +422,10 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
     mem = compile_only.memory(prog.fn)
     facts[name] = {**prog.verified.facts(), "reps": prog.reps, "memory": mem}
     peak = max(peak, mem["total_bytes"] if mem else 0)
+  n = point.scope.group_size
+  shape = program.form(point.collective, point.count, n, long or point.check_prog)
   out = {**rec, "status": "compiled", "target": cfg.target, "programs": facts, "memory_bytes": peak,
+         **({"form": shape} if shape else {}),
          "op_emitted": facts["check"]["op_emitted"],
          # XLA:TPU: the algorithm it chose, its own form of the op, the DCN transfers across slices
          **{k: facts["check"][k] for k in ("algorithm", "written_as", "dcn") if k in facts["check"]}}
@@ -590,18 +599,21 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   if not active:
     out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
               " nothing, and XLA removes it); no point is recorded")
+  platform = program.platform_of(mesh)
   for c in cfg.collectives:
+    if collectives.get(c).refuses_platform(platform):
+      out.print(f"# {c} skipped: {collectives.get(c).refuses_platform(platform)}")
     for d in cfg.dtypes:
       if collectives.get(c).refuses(d):
         out.print(f"# {c} in {d} skipped: {collectives.get(c).refuses(d)}")
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes
-            if not collectives.get(c).refuses(d) and not collectives.get(c).refuses_group(p.group_size)]
+            if not collectives.get(c).refuses(d) and not collectives.get(c).refuses_group(p.group_size)
+            and not collectives.get(c).refuses_platform(platform)]
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)
   index = 0
   t_start = time.perf_counter()
-  platform = program.platform_of(mesh)
   for bi, ((cname, plan, dtype), counts) in enumerate(zip(blocks, plan_counts)):
     coll = collectives.get(cname)
     family = type(coll).name  # all_reduce for all_reduce_max too: the links bound any operator alike

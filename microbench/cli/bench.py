@@ -213,6 +213,9 @@ def config_from_flags() -> sweep.SweepConfig:
   if tpu and (overlap_spec or FLAGS.command_buffer != "no"):
     raise app.UsageError(f"--{'overlap' if overlap_spec else 'command_buffer'} reads XLA:GPU's schedule and thunks;"
                          f" a TPU --target={FLAGS.target} compiles with XLA:TPU: drop it")
+  for name in FLAGS.collectives:
+    if refused := command_buffer.refuses_collective(FLAGS.command_buffer, name):
+      raise app.UsageError(refused)
   return sweep.SweepConfig(
       collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective", collectives.RAGGED),
                             _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,

@@ -42,6 +42,18 @@ def _command_buffer_text(r: dict[str, Any]) -> str:
   return f", in command buffers: {colls}" + (f", {inside}/{loops} loops" if loops else "")
 
 
+def form_text(f: dict | None) -> str:
+  """A record's `form` (the platform's form of the op and what it adds: microbench.bench.program.form) in a few
+  words, for tables and reports."""
+  if not f:
+    return ""
+  parts = [f"{f['written_as']} ({f['wire_factor']:g}x the op's link traffic)" if "written_as" in f else "",
+           f"packed in {f['packed_in']}" if "packed_in" in f else "",
+           f["out_of_place"] if "out_of_place" in f else "",
+           f"{f['hbm_passes_per_op']:g} message-sized memory writes per op" if "hbm_passes_per_op" in f else ""]
+  return "; ".join(p for p in parts if p)
+
+
 def _compiled_row(r: dict[str, Any]) -> str:
   """A point compiled for a GPU target: the op as emitted, how often it runs where, memory and fit."""
   ops = "/".join(r.get("op_emitted", [])) or "?"
@@ -50,8 +62,8 @@ def _compiled_row(r: dict[str, Any]) -> str:
     where = f" x{r['iters']} ({r['loop_reps']} in a loop of {r['trip_count']} known trips)"
   mem = r.get("memory_bytes")
   text = f"compiled: {ops}{where}, wire {r.get('wire_dtype', '?')}{_command_buffer_text(r)}"
-  if r.get("written_as"):  # XLA:TPU's own form of the op
-    text += f" ({r['written_as']})"
+  if r.get("form"):  # the platform's own form of the op and what it adds (program.form)
+    text += f" ({form_text(r['form'])})"
   if r.get("algorithm"):  # the algorithm XLA:TPU chose
     a = r["algorithm"]
     dims = f" over {'x'.join(map(str, a['dim_sizes']))} dims {a.get('active_dims', '?')}" if a.get("dim_sizes") else ""
@@ -60,7 +72,7 @@ def _compiled_row(r: dict[str, Any]) -> str:
     text += f", {mem / 2**20:.1f} MiB/device"
   if r.get("fits") is False:
     text += (f"  DOES NOT FIT ({r['usable_bytes'] / 2**30:.1f} GiB usable of {r['device_memory_bytes'] / 2**30:.1f}"
-             " GiB)")
+             " GiB)" + (f": {r['reason']}" if r.get("reason") else ""))
   return (f"{r['bytes']:>12} {r['count']:>11} {_short(r['dtype']):>8} {r['scope']:>10} {r['group_size']:>4} "
           f"{r['num_groups']:>4}  {text}")
 
@@ -81,6 +93,8 @@ def format_row(r: dict[str, Any]) -> str:
     flag += f"  NOISY (median +-{100 * r['resolution']:.0f}%)"
   if r.get("timed_wrong"):
     flag += f"  TIMED PROGRAM WRONG ({r['timed_wrong']} rank(s))"
+  if r.get("form"):
+    flag += f"  FORM: {form_text(r['form'])}"
   if r.get("straggler"):
     flag += f"  STRAGGLER rank {r['slowest_rank']} (spread {100 * r['time_spread']:.0f}%)"
   if r.get("low"):  # fabric.expected: far below the model at a bandwidth-bound size

@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from microbench.output import table
+
 SeriesKey = tuple[str, str, str, int]  # collective, scope, dtype, group size
 PointKey = tuple[str, str, str, int, int]  # ... and bytes
 
@@ -61,20 +63,23 @@ def markdown(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
 
 SUMMARY_HEADERS = ("collective", "scope", "dtype", "n", "points", "avg busbw (GB/s)", "max busbw (GB/s)",
                    "peak (GB/s)", "max busbw % of peak", "expected there (GB/s)", "measured / expected there",
-                   "LOW points")
+                   "LOW points", "what the platform's form of the op adds")
 
 
 def summary_rows(records: Iterable[dict[str, Any]]) -> list[tuple[Any, ...]]:
   """nccl-tests' "Avg bus bandwidth" per series, with the best busbw, its share of the link peak and what the
-  fabric model expected at that size (empty where the run had no expectation), and the series' LOW points."""
+  fabric model expected at that size (empty where the run had no expectation), the series' LOW points, and
+  what the platform's form of the op adds to what was timed (XLA:TPU's all-reduce standing in for an
+  all-gather, message-sized re-tilings: table.form_text; at the best point, or each distinct one)."""
   rows = []
   for (c, s, d, n), recs in by_series(ok(records)).items():
     bw = [r["busbw_gbps"] for r in recs]
     best = max(recs, key=lambda r: r["busbw_gbps"])
     has = any("vs_expected" in r for r in recs)
+    forms = list(dict.fromkeys(table.form_text(r.get("form")) for r in recs if r.get("form")))
     rows.append((c, s, d, n, len(recs), sum(bw) / len(bw), best["busbw_gbps"], best.get("peak_gbps"),
                  best.get("busbw_pct_of_peak"), best.get("expected_busbw_gbps"), best.get("vs_expected"),
-                 sum(bool(r.get("low")) for r in recs) if has else None))
+                 sum(bool(r.get("low")) for r in recs) if has else None, " / ".join(forms) or None))
   return rows
 
 
