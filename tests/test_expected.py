@@ -144,11 +144,11 @@ def test_the_report_summary_and_problems_carry_the_expectation():
           dict(base, bytes=1 << 30, busbw_gbps=20.0, expected_busbw_gbps=80.0, vs_expected=0.25, low=True,
                expected_bound="nic", expected_algorithm="ring (auto)")]
   (row,) = tables.summary_rows(recs)
-  assert row[-3:] == (80.0, 0.25, 1)
+  assert row[-4:] == (80.0, 0.25, 1, None)  # no platform form of the op to state
   (low,) = tables.problem_rows(recs)["far below the fabric model (LOW)"]
   assert low[3] == "1G" and "0.25 x expected" in low[4]
   (row,) = tables.summary_rows([{k: v for k, v in r.items() if "expected" not in k and k != "low"} for r in recs])
-  assert row[-3:] == (None, None, None)
+  assert row[-4:] == (None, None, None, None)
 
 
 def test_the_emulated_cluster_describes_itself_to_its_jobs():

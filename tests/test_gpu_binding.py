@@ -253,7 +253,7 @@ def test_a_run_records_its_binding(tmp_path):
                   CUDA_VISIBLE_DEVICES="0,1,2,3,4,5,6,7")
   r = subprocess.run([sys.executable, "-m", "microbench", "--distributed",
                       f"--coordinator_address=127.0.0.1:{free_port()}",
-                      "--num_processes=1", "--process_id=0", "--collectives=all_reduce", "--scopes=scale_up",
+                      "--num_processes=1", "--process_id=0", "--collectives=all_reduce", "--scopes=global",
                       "--min_bytes=1K", "--max_bytes=1K", "--iters=6", "--samples=2", f"--outdir={out}"],
                      capture_output=True, text=True, timeout=240, env=env, cwd=ROOT, check=False)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -345,6 +345,9 @@ def test_summary_and_problem_rows():
   best = max((r for r in recs if r["status"] == "ok"), key=lambda r: r["busbw_gbps"])
   assert row[4] == len(recs) - 1 and row[6] == best["busbw_gbps"]
   assert row[7] == 0.05 and row[8] == pytest.approx(100 * best["busbw_gbps"] / 0.05)
+  recs[3]["form"] = {"written_as": "all-gather as all-reduce", "wire_factor": 2.0, "hbm_passes_per_op": 1.0}
+  (row,) = tables.summary_rows(recs)
+  assert row[-1] == ("all-gather as all-reduce (2x the op's link traffic); 1 message-sized memory writes per op")
   problems = tables.problem_rows(recs)
   assert len(problems["wrong"]) == 1 and len(problems["stragglers"]) == 1
   assert problems["not measured"][0][3:] == ("2G", "skipped", "out of memory")
