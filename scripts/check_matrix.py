@@ -65,11 +65,14 @@ def main() -> int:
   p.add_argument("--tpu", type=int, default=24, help="cases per TPU kind")
   p.add_argument("--cpu_devices", default="8,32,72,128", help="device counts of the CPU workers")
   p.add_argument("--no_mutants", action="store_true", help="honest cases only")
+  p.add_argument("--max_bytes", type=int, default=None, help="largest size drawn (default: the space's, 1 GiB on"
+                 " targets, 4 MiB on CPU devices)")
   p.add_argument("--out", default=None, help="write every outcome and the summary as JSON here")
   args = p.parse_args()
   counts = {"cpu": args.cpu, **{k: args.gpu for k in matrix.GPU_KINDS}, **{k: args.tpu for k in matrix.TPU_KINDS}}
   devices = tuple(int(v) for v in args.cpu_devices.split(","))
-  cases = matrix.cases(args.seed, {k: v for k, v in counts.items() if v}, cpu_devices=devices)
+  cases = matrix.cases(args.seed, {k: v for k, v in counts.items() if v}, cpu_devices=devices,
+                       max_bytes=args.max_bytes)
   t0 = time.perf_counter()
   results, skipped = [], {}
   for (backend, n), group in sorted(_groups(cases).items()):

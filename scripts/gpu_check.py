@@ -119,8 +119,8 @@ def check_c() -> dict:
     r = subprocess.run([sys.executable, "-m", "microbench", "--max_bytes=64K", f"--outdir={run}"],
                        capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=300, check=False)
     recs = run_folder.read_results(run)
-  said = "nothing to measure" in r.stdout and "groups of one device" in r.stdout
-  ok = r.returncode == 0 and said and not recs
+  said = "nothing to measure or check" in r.stderr and "groups of one device" in r.stdout
+  ok = r.returncode == 2 and said and not recs
   return {"verdict": "pass" if ok else "fail", "exit_code": r.returncode, "records": len(recs),
           "said_degenerate": said, "stdout_tail": r.stdout[-600:], "stderr_tail": r.stderr[-600:] if not ok else ""}
 

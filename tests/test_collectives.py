@@ -336,8 +336,8 @@ ENTRY %main (a: f32[8]) -> f32[8] {
 
 
 def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
-  """Every collective and operator, float32 and int32: 34 repetitions (the long program's twin as warm-up and
-  two pairs of the 2- and 10-repetition programs) all compared on CPU."""
+  """Every collective and operator, float32 and int32: 36 repetitions (both programs' twins first, then two
+  pairs of the 2- and 10-repetition programs) all compared on CPU."""
   plan = PLANS["scale_up"]
   for name in collectives.REGISTRY:
     for dtype in ("float32", "int32"):
@@ -348,8 +348,8 @@ def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
       point = program.build_check(coll, mesh, plan, count, dtype)
       assert program.check(point) == 0
       assert _timed_and_checked(mesh, coll, point, count, dtype) == (0, (
-          "every output of the 10 checked repetitions (the untimed twins) and the final output after all 34"
-          " compared (digests)")), (name, dtype)
+          "every output of the 12 checked repetitions (the untimed twins of both arms, at least one period of the"
+          " chain) and the final output of the timed calls after all 36 compared (digests)")), (name, dtype)
 
 
 def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None):
@@ -362,7 +362,7 @@ def _timed_and_checked(mesh, coll, point, count, dtype, long_reps=10, plan=None)
   return program.check_timed(point, carry, *program.chain_reps(1, 2, 2, long_reps, period=period))
 
 
-def test_on_gpus_an_all_reduce_chains_and_is_compared_with_one_operation_where_nothing_known_holds_it():
+def test_on_gpus_an_all_reduce_chains_and_is_compared_with_the_check_programs_chain():
   """XLA:GPU runs an all-reduce in place: held inputs would cost a copy per repetition (tests/test_gpu_compile.py
   reads the HLO). Chained, max and min stay exact; a sum does not: its twin compares each repetition with one
   operation on its input."""

@@ -194,12 +194,12 @@ def test_command_buffers_refuse_the_ragged_all_to_all_in_one_line():
 # ------------------------------------------------------------------------------------------------ slow groups
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [32, 72, 128])
+@pytest.mark.parametrize("devices", [48, 128])
 def test_larger_cpu_samples_and_their_mutants_in_processes_of_their_own(devices, tmp_path):
-  """Groups of 32 to 128 CPU devices (an all-gather there was refused for the digest's reduce-window passes):
-  a seeded sample each, honest cases right and mutants caught."""
+  """Groups of up to 128 CPU devices (an all-gather there was refused for the digest's reduce-window passes): a
+  seeded sample each, honest cases right and mutants caught."""
   out = tmp_path / "m.json"
-  r = subprocess.run([sys.executable, "scripts/check_matrix.py", f"--seed={devices}", "--cpu=4", "--gpu=0", "--tpu=0",
+  r = subprocess.run([sys.executable, "scripts/check_matrix.py", f"--seed={devices}", "--cpu=2", "--gpu=0", "--tpu=0",
                       f"--cpu_devices={devices}", f"--out={out}"], capture_output=True, text=True, timeout=1500,
                      env=clean_env(), cwd=ROOT)
   summary = json.loads(out.read_text())["summary"]
@@ -221,7 +221,8 @@ def _target_sample(backends: tuple[str, ...], count: int, tmp_path) -> dict:
   out = tmp_path / "m.json"
   args = [f"--{'gpu' if backends[0] in matrix.GPU_KINDS else 'tpu'}={count}", "--cpu=0"]
   args.append(f"--{'tpu' if backends[0] in matrix.GPU_KINDS else 'gpu'}=0")
-  r = subprocess.run([sys.executable, "scripts/check_matrix.py", "--seed=5", *args, f"--out={out}"],
+  r = subprocess.run([sys.executable, "scripts/check_matrix.py", "--seed=5", *args, f"--max_bytes={1 << 26}",
+                      f"--out={out}"],
                      capture_output=True, text=True, timeout=2400, env=clean_env(), cwd=ROOT)
   summary = json.loads(out.read_text())["summary"]
   assert r.returncode == 0 and not summary["honest_failures"], summary

@@ -286,9 +286,9 @@ class IndependentRepetitions(collectives.RaggedAllToAll):
   name = "ragged_all_to_all with independent repetitions"
 
   def step(self, carry, axes, n, platform):
-    x, _ = carry
+    x, other, _ = carry
     y = self.op(x, axes, n, platform)
-    return (x, y), y
+    return (other, x, y), y
 
 
 class FreshBufferOnGpu(collectives.RaggedAllToAll):
@@ -297,10 +297,10 @@ class FreshBufferOnGpu(collectives.RaggedAllToAll):
   name = "ragged_all_to_all zeroing a buffer every repetition"
 
   def step(self, carry, axes, n, platform):
-    x, prev = carry
+    x, other, prev = carry
     buf = jnp.zeros_like(prev) + (prev[:1] == jnp.finfo(prev.dtype).min).astype(prev.dtype)
     y = self.exchange(x, buf, axes, n, platform)
-    return (x, y), y
+    return (other, x, y), y
 
 
 @needs_plugin

@@ -38,6 +38,7 @@ DTYPES = ("float32", "bfloat16", "float16", "int32", "float8_e4m3fn", "float8_e5
 GPU_SCOPES = ("scale_up", "scale_out", "rack_scale", "global")
 TPU_SCOPES = ("host", "ici_x", "ici_y", "ici_z", "slice", "dcn", "global")
 MAX_CPU_BYTES = 1 << 22    # the default sweep's largest CPU point: bigger ones only copy memory for longer
+CPU_TOTAL_BYTES = 1 << 25  # ... and all devices' buffers together at most this (host memory; the ragged emulation: n x)
 MAX_TARGET_BYTES = 1 << 30
 
 
@@ -129,18 +130,22 @@ def group_sizes_of(backend: str, topology: str) -> dict[str, int]:
   return {p.name: p.group_size for p in plan_scopes(top, names) if not p.skip_reason}
 
 
-def draw(rng: random.Random, backend: str, cpu_devices: int | None = None) -> Case:
-  """One case of `backend` ("cpu", a GPU kind, a TPU kind); CPU cases on `cpu_devices` devices (else drawn)."""
+def draw(rng: random.Random, backend: str, cpu_devices: int | None = None, max_bytes: int | None = None) -> Case:
+  """One case of `backend` ("cpu", a GPU kind, a TPU kind); CPU cases on `cpu_devices` devices (else drawn);
+  sizes up to `max_bytes` where given (a bounded sample), else the space's own limits."""
   if backend == "cpu":
     devices = cpu_devices or rng.choice(CPU_DEVICE_COUNTS)
-    topology, top = _cpu_topology(rng, devices), MAX_CPU_BYTES
+    topology, top = _cpu_topology(rng, devices), min(MAX_CPU_BYTES, CPU_TOTAL_BYTES // devices)
   elif backend in TPU_KINDS:
     (topology, devices), top = _tpu_topology(rng, backend), MAX_TARGET_BYTES
   else:
     (topology, devices), top = _gpu_topology(rng, backend), MAX_TARGET_BYTES
+  top = min(top, max_bytes) if max_bytes else top
   sizes = group_sizes_of(backend, topology)
   scope = rng.choice(sorted(s for s, n in sizes.items() if n >= 2) or sorted(sizes))
   name = _collective(rng, sizes[scope])
+  if backend == "cpu" and name.startswith("ragged"):  # the emulation gathers n x the message per device
+    top = max(64, top // sizes[scope])
   dtype = rng.choice(DTYPES)
   itemsize = 1 if dtype.startswith("float8") else 2 if "16" in dtype else 4
   iters = rng.choice((1, 6, 8, 10, 20, 20, 32))
@@ -154,15 +159,16 @@ def draw(rng: random.Random, backend: str, cpu_devices: int | None = None) -> Ca
               sample_ms=rng.choice((0.0, 0.0, 20.0, 0.05)), mode=mode)
 
 
-def cases(seed: int, counts: dict[str, int], cpu_devices: tuple[int, ...] | None = None) -> list[Case]:
+def cases(seed: int, counts: dict[str, int], cpu_devices: tuple[int, ...] | None = None,
+          max_bytes: int | None = None) -> list[Case]:
   """`counts[backend]` cases of each backend, seeded; CPU cases' device counts from `cpu_devices` (default:
-  CPU_DEVICE_COUNTS), spread over them in turn."""
+  CPU_DEVICE_COUNTS), spread over them in turn; sizes up to `max_bytes` where given."""
   rng = random.Random(seed)
   out = []
   for backend, count in counts.items():
     for i in range(count):
       pool = cpu_devices or CPU_DEVICE_COUNTS
-      out.append(draw(rng, backend, pool[i % len(pool)] if backend == "cpu" else None))
+      out.append(draw(rng, backend, pool[i % len(pool)] if backend == "cpu" else None, max_bytes))
   return out
 
 
