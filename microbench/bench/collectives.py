@@ -738,11 +738,12 @@ class RaggedAllToAll(Collective):
     # The packing reads the inputs at indices that depend on the buffer's first element (never the dtype's
     # lowest number in a correct output): a loop-invariant gather and all-to-all could be hoisted otherwise.
     lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo(x.dtype).min
-    # (Added after the clamp: with one element per rank every index clamps to 0, and the gather, then the
-    # all-to-all, would be loop-invariant; XLA hoisted them.)
-    after = (buf[0] == jnp.asarray(lowest, buf.dtype)).astype(jnp.int32)
-    at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :], x.shape[0] - 1) + after
-    got = lax.all_to_all(x[at], axes, 0, 0, tiled=True)  # [n, block]: row q from source q
+    # With one element per rank every index is 0 whatever it adds (a gather from one element is that element),
+    # so the values sent also depend on it, through a select the gather fuses (XLA had hoisted the all-to-all).
+    after = buf[0] == jnp.asarray(lowest, buf.dtype)
+    at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :] + after, x.shape[0] - 1)
+    packed = x[at]
+    got = lax.all_to_all(jnp.where(after, -packed, packed), axes, 0, 0, tiled=True)  # [n, block]: row q from q
     q, j, used = self._unpack(out_off[:, r], sizes[:, r], lax.iota(jnp.int32, buf.shape[0]))
     return jnp.where(used, got[q, jnp.minimum(j, block - 1)], buf)
 
