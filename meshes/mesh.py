@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from meshes.topology import AXES, Topology, check_matches
+from microbench.meshes.topology import AXES, Topology, check_matches
 
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from meshes.topology import Topology
+from microbench.meshes.topology import Topology
 
 
 class ParallelismError(ValueError):
@@ -42,7 +42,7 @@ STRATEGIES: tuple[Strategy, ...] = (
     # dimension, so parameters, gradients and optimizer state are sharded; XLA gathers weights for use.
     Strategy("fsdp", "fully sharded data parallel", "fsdp", ("batch", "embed", "conv_out")),
     # EP: experts split over `expert`; the batch too (outside the experts it is data parallel), tokens
-    # go to their experts' owners and back with all-to-all (models.moe).
+    # go to their experts' owners and back with all-to-all (microbench.models.moe).
     Strategy("ep", "expert parallel", "expert", ("batch", "experts")),
     Strategy("cp", "context (sequence) parallel", "context", ("act_seq",)),
     # Megatron TP: QKV and MLP-up split by columns (heads / mlp), attention-out and MLP-down by rows,
@@ -85,7 +85,7 @@ def spec_for(names: Sequence[str | None], rules: LogicalRules = RULES) -> jax.P:
       out.append(None)
       continue
     if n not in table:
-      raise KeyError(f"unknown logical axis name {n!r}; add it to meshes.parallelism.LOGICAL_NAMES")
+      raise KeyError(f"unknown logical axis name {n!r}; add it to microbench.meshes.parallelism.LOGICAL_NAMES")
     axes = table[n]
     out.append(None if axes is None else (axes[0] if len(axes) == 1 else axes))
   return jax.P(*out)

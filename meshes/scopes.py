@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshes.topology import AXES, Topology
+from microbench.meshes.topology import AXES, Topology
 
 SCOPE_AXES: dict[str, tuple[str, ...]] = {
     "scale_up": ("gpu",),            # the devices of one node (NVLink inside a node)
@@ -59,13 +59,13 @@ def _canonical(groups: np.ndarray) -> frozenset:
 
 # When two requested scopes have the same groups, the one earlier here is kept (with one rack, global
 # is the clearer name for what rack_scale would measure).
-# On a TPU pod (meshes.tpu_slice), the ICI and DCN names say more than global.
+# On a TPU pod (microbench.meshes.tpu_slice), the ICI and DCN names say more than global.
 _KEEP_ORDER = ("scale_up", "scale_out", "host", "ici_x", "ici_y", "ici_z", "slice", "dcn", "global", "rack_scale")
 
 
 def plan_scopes(topology: Topology, names: Sequence[str]) -> list[ScopePlan]:
   """The scopes to run, in the order given, each with its groups; degenerate or duplicate scopes carry a
-  skip reason. A machine with its own axes and scopes (a TPU pod, `meshes.tpu_slice`) brings them along."""
+  skip reason. A machine with its own axes and scopes (a TPU pod, `microbench.meshes.tpu_slice`) brings them along."""
   scope_axes = getattr(topology, "scope_axes", SCOPE_AXES)
   axis_names = getattr(topology, "axis_names", AXES)
   groups = {name: scope_groups(topology.shape, scope_axes[name], axis_names) for name in names}

@@ -2,6 +2,6 @@
 Mixtral-style mixture of experts, ViT, ResNet-50; their synthetic data, optimizer, FLOP counts and train
 step; pipeline, expert and context parallelism."""
 
-from models.registry import DEFAULT_SIZE, FAMILIES, ModelError, ModelSpec, get_model
+from microbench.models.registry import DEFAULT_SIZE, FAMILIES, ModelError, ModelSpec, get_model
 
 __all__ = ["DEFAULT_SIZE", "FAMILIES", "ModelError", "ModelSpec", "get_model"]

@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from meshes import parallelism as par
+from microbench.meshes import parallelism as par
 
 
 AXIS = "context"

@@ -14,10 +14,10 @@ reported beside it:
 
 from __future__ import annotations
 
-from models.layers import BlockConfig
-from models.resnet import ResNetConfig
-from models.transformer import TransformerConfig
-from models.vit import ViTConfig
+from microbench.models.layers import BlockConfig
+from microbench.models.resnet import ResNetConfig
+from microbench.models.transformer import TransformerConfig
+from microbench.models.vit import ViTConfig
 
 MOE_FORMULA = ("tokens*(6*N_active + 6*L*T*H*Dh), causal attention counted half (full: 12*L*T*H*Dh),"
                " N_active = attention + k/E of the experts + router + d*V head")
@@ -45,7 +45,7 @@ def decoder_step_flops(cfg: TransformerConfig, batch: int, seq_len: int, causal_
 
 
 def moe_step_flops(cfg, batch: int, seq_len: int, causal_half: bool = True) -> float:
-  """A Mixtral-style decoder (`models.mixtral.MixtralConfig`): each token runs k of the E experts."""
+  """A Mixtral-style decoder (`microbench.models.mixtral.MixtralConfig`): each token runs k of the E experts."""
   b, moe = cfg.block, cfg.moe
   attn_w = b.d_model * b.head_dim * (2 * b.num_heads + 2 * b.num_kv_heads)
   experts_w = moe.top_k * 3 * b.d_model * b.d_ff
@@ -65,7 +65,7 @@ def vit_step_flops(cfg: ViTConfig, batch: int) -> float:
 
 
 def resnet_forward_flops(cfg: ResNetConfig) -> float:
-  """Forward FLOPs of one image, walking the same structure as `models.resnet.ResNet`."""
+  """Forward FLOPs of one image, walking the same structure as `microbench.models.resnet.ResNet`."""
   def conv(s_out: int, k: int, cin: int, cout: int) -> float:
     return 2.0 * s_out * s_out * k * k * cin * cout
 

@@ -21,8 +21,8 @@ import optax
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshes.parallelism import constrain, constrain_for_use, vary
-from models import context, pipeline_schedule
+from microbench.meshes.parallelism import constrain, constrain_for_use, vary
+from microbench.models import context, pipeline_schedule
 
 ACT_BTD = ("batch", "act_seq", "act_embed")
 ACT_BTNH = ("batch", "act_seq", "act_heads", "act_head_dim")

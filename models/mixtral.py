@@ -1,7 +1,7 @@
 """Mixtral-style mixture-of-experts decoder: Llama-shaped attention (RMSNorm, rotary, grouped-query) with
-a top-2 MoE MLP in every block (`models.moe`).
+a top-2 MoE MLP in every block (`microbench.models.moe`).
 
-It is the decoder of `models.transformer` with other blocks: the same embedding, stacked and scanned
+It is the decoder of `microbench.models.transformer` with other blocks: the same embedding, stacked and scanned
 blocks (so pipeline parallelism splits them over `stage` the same way), final norm and untied head.
 8x7B follows the published config (d 4096, 32 layers, 32 heads / 8 KV heads, 8 experts of d_ff 14336,
 vocabulary 32000, rope theta 1e6): 46,702,792,704 parameters.
@@ -14,10 +14,10 @@ import dataclasses
 import jax
 from flax import nnx
 
-from meshes.parallelism import constrain
-from models.layers import ACT_BTD, Attention, BlockConfig, Execution, Norm, Stats
-from models.moe import MoeConfig, MoeMlp
-from models.transformer import Transformer, TransformerConfig
+from microbench.meshes.parallelism import constrain
+from microbench.models.layers import ACT_BTD, Attention, BlockConfig, Execution, Norm, Stats
+from microbench.models.moe import MoeConfig, MoeMlp
+from microbench.models.transformer import Transformer, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)

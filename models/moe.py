@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from meshes import parallelism as par
-from meshes.parallelism import constrain
-from models.layers import EXCHANGED, param
+from microbench.meshes import parallelism as par
+from microbench.meshes.parallelism import constrain
+from microbench.models.layers import EXCHANGED, param
 
 EXPERT = "expert"
 STATS = ("moe_dropped", "moe_assignments", "moe_load_balance", "moe_z_loss", "moe_expert_assignments")

@@ -3,7 +3,7 @@
 The layers' stacked parameters (leading dims `[V, L/V]`, the second sharded over `stage`) stay where
 they are; microbatches move. Inside a `shard_map` that is manual over `stage` only (data, fsdp, tensor
 and expert stay automatic, so the layers' own sharding rules still apply), one `lax.scan` step per tick
-of the schedule (`models.pipeline_schedule`) runs this device's forward and backward of the tick,
+of the schedule (`microbench.models.pipeline_schedule`) runs this device's forward and backward of the tick,
 each under a `lax.cond` (a device with nothing to do runs nothing), then moves activations one stage on
 and gradients one stage back with `ppermute`. The backward recomputes its chunk's forward from the
 stashed input (`jax.vjp`), so only stage inputs are kept between a microbatch's forward and backward.
@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes import parallelism as par
-from models import pipeline_schedule as ps
-from models.layers import BlockStack, Stats, run_layers, stack_chunks, unstack_chunks  # noqa: F401
-from models.pipeline_schedule import Schedule
+from microbench.meshes import parallelism as par
+from microbench.models import pipeline_schedule as ps
+from microbench.models.layers import BlockStack, Stats, run_layers, stack_chunks, unstack_chunks  # noqa: F401
+from microbench.models.pipeline_schedule import Schedule
 
 AXIS = "stage"
 # Weight dims that stay split inside the stages (the layer code runs on its local slice of these).

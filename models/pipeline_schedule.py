@@ -1,7 +1,7 @@
 """Pipeline schedules as tables: which forward and backward each stage runs at each tick.
 
 A schedule is simulated here in plain Python, once, before anything is traced; the executor
-(`models.pipeline`) only looks its rows up. One tick is one slot in which every device may run one
+(`microbench.models.pipeline`) only looks its rows up. One tick is one slot in which every device may run one
 forward (F) and then one backward (B) of one layer chunk on one microbatch, after which activations
 move one stage on and gradients one stage back (a ppermute each). Device `d` holds the chunks (virtual
 stages) `d, d+S, ..., d+(V-1)S`; a microbatch visits virtual stages 0..S*V-1 in order.

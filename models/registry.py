@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import data, flops, mixtral, moe, resnet, transformer, vit
-from models.layers import Execution, cross_entropy
+from microbench.models import data, flops, mixtral, moe, resnet, transformer, vit
+from microbench.models.layers import Execution, cross_entropy
 
 
 class ModelError(ValueError):

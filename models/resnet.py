@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.parallelism import constrain
+from microbench.meshes.parallelism import constrain
 
 
 @dataclasses.dataclass(frozen=True)

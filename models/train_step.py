@@ -18,10 +18,10 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from meshes.parallelism import RULES, LogicalRules, spec_for
-from models.layers import Execution
-from models.pipeline import to_microbatches
-from models.registry import ModelSpec
+from microbench.meshes.parallelism import RULES, LogicalRules, spec_for
+from microbench.models.layers import Execution
+from microbench.models.pipeline import to_microbatches
+from microbench.models.registry import ModelSpec
 
 
 def variable_spec(v: nnx.Variable, rules: LogicalRules = RULES) -> jax.P:

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshes.parallelism import constrain
-from models import pipeline
-from models.layers import (ACT_BTD, BlockConfig, BlockStack, Execution, Norm, Stats, cross_entropy, param, project,
-                          weight)
+from microbench.meshes.parallelism import constrain
+from microbench.models import pipeline
+from microbench.models.layers import (ACT_BTD, BlockConfig, BlockStack, Execution, Norm, Stats, cross_entropy,
+                                      param, project, weight)
 
 
 @dataclasses.dataclass(frozen=True)

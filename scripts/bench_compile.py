@@ -18,7 +18,7 @@ import statistics
 
 from absl import app, flags
 
-from microbench.cli import runner
+from microbench.cli import absl_app
 
 flags.DEFINE_string("model", "gpt2", "Model family.")
 flags.DEFINE_string("size", "124m", "Model size.")
@@ -34,7 +34,7 @@ FLAGS = flags.FLAGS
 
 def main(argv: list[str]) -> None:
   del argv
-  from meshes.parallelism import ParallelismError, parse_parallelism  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.parallelism import ParallelismError, parse_parallelism  # pylint: disable=g-import-not-at-top
   try:
     devices = parse_parallelism(FLAGS.parallelism).num_devices
     depths = [int(d) for d in FLAGS.depths]
@@ -82,4 +82,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  runner.run(main, "bench_compile.py", [__name__])
+  absl_app.run(main, "bench_compile.py", [__name__])

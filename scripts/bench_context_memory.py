@@ -32,8 +32,8 @@ def main(argv):
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
 
-  from meshes import parallelism as par  # pylint: disable=g-import-not-at-top
-  from models import context  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import parallelism as par  # pylint: disable=g-import-not-at-top
+  from microbench.models import context  # pylint: disable=g-import-not-at-top
 
   shape = (FLAGS.batch, FLAGS.seq_len, FLAGS.heads, FLAGS.head_dim)
   rows = []

@@ -19,7 +19,7 @@ import time
 
 from absl import app, flags
 
-from microbench.cli import runner
+from microbench.cli import absl_app
 
 flags.DEFINE_list("parts", ["70b", "presets", "scale"], "Which tables to make.")
 flags.DEFINE_string("out", None, "Also write every row as JSON here.")
@@ -53,7 +53,7 @@ def part_70b(rows: list) -> None:
   print(f"| parallelism | GPUs | memory/GPU GiB | fits 75% of {memory_gib:.1f} GiB | margin GiB | compile s |")
   print("|---|---|---|---|---|---|")
   for par in ("fsdp:8", "fsdp:16", "fsdp:32", "fsdp:64", "fsdp:2,tp:8", "fsdp:4,tp:8", "fsdp:8,tp:8"):
-    from meshes.parallelism import parse_parallelism  # pylint: disable=g-import-not-at-top
+    from microbench.meshes.parallelism import parse_parallelism  # pylint: disable=g-import-not-at-top
     p = parse_parallelism(par)
     n = p.num_devices
     s = _compile(model="llama3", size="70b", seq_len=4096, parallelism=par, batch=p.batch_shards, target="h200",
@@ -90,8 +90,8 @@ def part_presets(rows: list) -> None:
 
 
 def part_scale(rows: list) -> None:
-  from microbench.study import hlo_schedule, schedules  # pylint: disable=g-import-not-at-top
-  from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
+  from microbench.study import rank_programs, step_collectives  # pylint: disable=g-import-not-at-top
+  from microbench.aot import gpu_compile  # pylint: disable=g-import-not-at-top
   print("| strategy | GPUs | rank 0 bytes/iteration by op (GB) | collectives/iteration (rank 0) | compile s |")
   print("|---|---|---|---|---|")
   for item in FLAGS.scale:
@@ -100,14 +100,14 @@ def part_scale(rows: list) -> None:
       per_host = 8 if n % 8 == 0 else n
       t0 = time.perf_counter()
       try:
-        devices = compile_only.make_target("h100", n // per_host, per_host).devices
-        job = hlo_schedule.derive(f"{STRATEGY_MODEL[strategy]},{strategy}", n, devices=devices)
+        devices = gpu_compile.make_target("h100", n // per_host, per_host).devices
+        job = step_collectives.derive(f"{STRATEGY_MODEL[strategy]},{strategy}", n, devices=devices)
       except Exception as e:  # pylint: disable=broad-except
         print(f"| {strategy} | {n} | failed after {time.perf_counter() - t0:.0f} s:"
               f" {str(e).splitlines()[0][:160]} | | |", flush=True)
         continue
       dt = time.perf_counter() - t0
-      per = schedules.bytes_per_iteration(job, 0)
+      per = rank_programs.bytes_per_iteration(job, 0)
       count = sum(1 for _ in job.comms(0))
       rows.append({"part": "scale", "strategy": strategy, "gpus": n, "bytes_rank0": per, "collectives_rank0": count,
                    "seconds": dt, "parallelism": job.meta.get("parallelism")})
@@ -127,4 +127,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  runner.run(main, "bench_gpu_compile", [__name__])
+  absl_app.run(main, "bench_gpu_compile", [__name__])

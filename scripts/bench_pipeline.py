@@ -41,8 +41,8 @@ def main(argv):
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
 
   from microbench.train.overheads import Share, measure_bubble  # pylint: disable=g-import-not-at-top
-  from models import pipeline, pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
-  from models.layers import Block, BlockConfig  # pylint: disable=g-import-not-at-top
+  from microbench.models import pipeline, pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
+  from microbench.models.layers import Block, BlockConfig  # pylint: disable=g-import-not-at-top
 
   s, m, d = FLAGS.stages, FLAGS.microbatches, FLAGS.d_model
   cfg = BlockConfig(d_model=d, num_heads=max(1, d // 64), num_kv_heads=max(1, d // 64), d_ff=4 * d,

@@ -52,7 +52,7 @@ FLAGS = flags.FLAGS
 
 
 def _mesh(topology):
-  from meshes.mesh import build_mesh, ordered_devices  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.mesh import build_mesh, ordered_devices  # pylint: disable=g-import-not-at-top
   return build_mesh(topology, ordered_devices()[:topology.num_devices])
 
 
@@ -68,8 +68,8 @@ def part_a_one() -> dict:
   """Part (a) on however many CPU devices this process has (one group of all of them)."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
-  from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.topology import Topology  # pylint: disable=g-import-not-at-top
   from microbench.bench import collectives, sweep  # pylint: disable=g-import-not-at-top
 
   n = jax.device_count()
@@ -154,8 +154,8 @@ def part_b() -> dict:
 
 def part_c() -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
-  from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.topology import Topology  # pylint: disable=g-import-not-at-top
   from microbench.bench import collectives, sizes, sweep  # pylint: disable=g-import-not-at-top
 
   nbytes = sizes.parse_size(FLAGS.large_bytes)
@@ -185,8 +185,8 @@ def part_d() -> dict:
   """Default run vs plain jitted call vs long in-graph loop, one group of 8 CPU devices, alternating."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
-  from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.topology import Topology  # pylint: disable=g-import-not-at-top
   from microbench.bench import collectives, program, sizes, sweep  # pylint: disable=g-import-not-at-top
 
   topo = Topology(1, 2, 4)

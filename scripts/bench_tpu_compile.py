@@ -19,7 +19,7 @@ import time
 
 from absl import app, flags
 
-from microbench.cli import runner
+from microbench.cli import absl_app
 
 flags.DEFINE_list("parts", ["8b", "70b"], "Which rows to compile: 8b, 70b.")
 flags.DEFINE_string("out", None, "Also write every row as JSON here.")
@@ -125,4 +125,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  runner.run(main, "bench_tpu_compile", [__name__])
+  absl_app.run(main, "bench_tpu_compile", [__name__])

@@ -48,11 +48,11 @@ def _groups(cases) -> dict[tuple[str, int], list]:
 def _available(backend: str) -> str | None:
   """Why a backend can't be run here (the extra it needs), or None."""
   from microbench.bench import matrix  # pylint: disable=g-import-not-at-top
-  from microbench.target import compile_only, tpu_compile_only  # pylint: disable=g-import-not-at-top
-  if backend in matrix.TPU_KINDS and not tpu_compile_only.libtpu_available():
+  from microbench.aot import gpu_compile, tpu_compile  # pylint: disable=g-import-not-at-top
+  if backend in matrix.TPU_KINDS and not tpu_compile.libtpu_available():
     return "libtpu is not installed: pip install -e '.[tpu-compile]'"
-  if backend in matrix.GPU_KINDS and not compile_only.plugin_available():
-    return f"JAX's CUDA plugin is not installed: {compile_only.INSTALL_HINT}"
+  if backend in matrix.GPU_KINDS and not gpu_compile.plugin_available():
+    return f"JAX's CUDA plugin is not installed: {gpu_compile.INSTALL_HINT}"
   return None
 
 

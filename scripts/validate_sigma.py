@@ -26,7 +26,7 @@ import time
 
 from microbench.cluster.testbed import QUEUES
 from microbench.study.predict import LATENCY_BOUND_SHARE, PREDICTED
-from microbench.study.runner import key_name
+from microbench.study.run_plan import key_name
 
 M400_100 = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 # (name, machine, jobs or generator flags, extra run flags)

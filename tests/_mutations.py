@@ -21,9 +21,9 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from meshes.mesh import build_mesh, ordered_devices  # noqa: E402
-from meshes.scopes import plan_scopes  # noqa: E402
-from meshes.topology import Topology  # noqa: E402
+from microbench.meshes.mesh import build_mesh, ordered_devices  # noqa: E402
+from microbench.meshes.scopes import plan_scopes  # noqa: E402
+from microbench.meshes.topology import Topology  # noqa: E402
 from microbench.bench import collectives, hlo_check, program, reduce_ops  # noqa: E402
 
 GROUP_SIZES = (2, 3, 18, 32, 72)

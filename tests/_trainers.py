@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes import parallelism as par
-from models import get_model
-from models.layers import Execution
-from models.optimizer import adamw, sgd
-from models.train_step import Trainer
+from microbench.meshes import parallelism as par
+from microbench.models import get_model
+from microbench.models.layers import Execution
+from microbench.models.optimizer import adamw, sgd
+from microbench.models.train_step import Trainer
 
 FAST = {"xla_backend_optimization_level": 0}
 SEQ = {"gpt2": 32, "llama3": 32, "mixtral": 32, "vit": None, "resnet": None}

@@ -47,7 +47,7 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert env["toolkit"]["version"] and "NCCL_ALGO=Ring" in r.stdout and f"jax {meta['jax_version']}" in r.stdout
   # Link peaks: per level in meta.json, and per record with busbw's share of the scope's bound.
   assert meta["link_peaks"]["scale_up"]["gbps"] == 100 and meta["link_peaks"]["scale_out"]["link"] == "ndr"
-  from microbench.fabric import peaks as link_peaks
+  from microbench.fabric import link_peaks
   peaks = link_peaks.parse("scale_up:100,scale_out:ndr")
   for rec in recs:
     axes = meta["scopes"][rec["scope"]]["axes"]
@@ -379,8 +379,9 @@ def test_a_rerun_loads_its_programs_from_the_compilation_cache(tmp_path):
   one (JAX's own log: hits, no miss) and still checks them (HLO and values); none keeps the folder out. Were the
   cache keeping only JAX's default (compiles over a second), the rerun would miss every program."""
   cache = tmp_path / "xla"
+  # --sample_ms=0: the long program's length is --iters, not what a loaded machine's first call suggested.
   args = ["--collectives=all_gather,all_reduce", "--scopes=global", "--min_bytes=1K", "--max_bytes=2K",
-          f"--compilation_cache={cache}"]
+          "--sample_ms=0", f"--compilation_cache={cache}"]
   runs = [run_cli([*args, f"--outdir={tmp_path / name}"], JAX_EXPLAIN_CACHE_MISSES="1", JAX_LOG_COMPILES="1")
           for name in ("a", "b")]
   for proc in runs:
@@ -405,7 +406,7 @@ def test_a_rerun_loads_its_programs_from_the_compilation_cache(tmp_path):
 
 
 def test_the_compilation_cache_stays_off_where_a_real_compile_is_read(monkeypatch):
-  from microbench.target import compile_cache  # pylint: disable=import-outside-toplevel
+  from microbench.bench import compile_cache  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("MICROBENCH_COMPILATION_CACHE", "/x/cache")
   monkeypatch.delenv("XLA_FLAGS", raising=False)
   assert compile_cache.resolve("auto", None, "no") == ("/x/cache", "/x/cache")

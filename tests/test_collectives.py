@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import AXES, Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program, sweep
 from microbench.bench.sizes import round_count
 from microbench.output import table

@@ -17,15 +17,15 @@ import jax
 import pytest
 
 from conftest import run_cli
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import AXES, Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import AXES, Topology
 from microbench.bench import collectives, command_buffer, hlo_check, program, sweep
 from microbench.hlo import parse, thunks
 from microbench.output import table
-from microbench.target import compile_only
+from microbench.aot import gpu_compile
 
-needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_available(),
                                   reason="JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
 
 # XLA:GPU's thunk sequences of the timed all-reduce loop (H100, jaxlib 0.10.2), as dumped.
@@ -196,10 +196,10 @@ def test_a_cpu_run_refuses_command_buffers_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def h100():
-  if not compile_only.plugin_available():
+  if not gpu_compile.plugin_available():
     pytest.skip("JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
   topology = Topology(1, 2, 8)
-  target = compile_only.make_target("h100", 2, 8)
+  target = gpu_compile.make_target("h100", 2, 8)
   return topology, build_mesh(topology, list(target.devices)), {p.name: p for p in plan_scopes(topology, SCOPES)}
 
 
@@ -257,14 +257,14 @@ def test_without_the_flag_nothing_is_in_one_and_the_check_fails_when_yes_is_expe
 def test_a_description_without_cuda_versions_keeps_collectives_out_and_fails_the_point(monkeypatch):
   """What XLA does on a driver or runtime older than 12.3 (and did on every deviceless compile before the
   target description carried the plugin's CUDA version): the point asked with command buffers is an error."""
-  monkeypatch.setattr(compile_only, "plugin_cuda_version", lambda: None)
+  monkeypatch.setattr(gpu_compile, "plugin_cuda_version", lambda: None)
   topology = Topology(1, 1, 8)
-  mesh = build_mesh(topology, list(compile_only.make_target("h100", 1, 8).devices))
+  mesh = build_mesh(topology, list(gpu_compile.make_target("h100", 1, 8).devices))
   plan = plan_scopes(topology, ["scale_up"])[0]
   cfg = _cfg(command_buffer="yes", target="h100")
   rec = sweep.run_point(cfg, mesh, plan, collectives.get("all_reduce"), "bfloat16", 4096, lambda: None)
   assert rec["status"] == "error" and "outside any command buffer" in rec["reason"], rec
-  assert compile_only.with_cuda_versions("gpu_device_info {\n}", None) == "gpu_device_info {\n}"
+  assert gpu_compile.with_cuda_versions("gpu_device_info {\n}", None) == "gpu_device_info {\n}"
 
 
 @needs_plugin
@@ -286,7 +286,7 @@ def test_a_target_sweep_with_both_compiles_and_checks_both_arms(tmp_path):
     assert progs["long_command_buffer"]["command_buffer"]["loops_inside"] == 1
   assert r.stdout.count("in command buffers: 4/4 collective thunks, 1/1 loops") == 2
   meta = json.loads((out / "meta.json").read_text())
-  assert meta["target"]["cuda_version"] == compile_only.plugin_cuda_version()
+  assert meta["target"]["cuda_version"] == gpu_compile.plugin_cuda_version()
   assert meta["flags"]["command_buffer"] == "both"
 
 

@@ -14,9 +14,9 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from meshes import parallelism as par  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
 from microbench.hlo import parse as hlo  # noqa: E402
-from models import context  # noqa: E402
+from microbench.models import context  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}
 ACT = ("batch", "act_seq", "act_heads", "act_head_dim")

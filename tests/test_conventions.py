@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from microbench.bench import collectives as bench_collectives
-from microbench.fabric import collectives as fc
+from microbench.fabric import collective_model as fc
 from microbench.fabric import conventions
 from microbench.report import alpha_beta
 from microbench.study import machines as mm

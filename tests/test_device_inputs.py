@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import Topology
 from microbench.bench import collectives, device_inputs, known_inputs, program
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)

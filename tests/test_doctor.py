@@ -20,7 +20,7 @@ from conftest import clean_env
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from microbench.doctor import diagnose, doctor, report, schedule, simulate  # pylint: disable=g-import-not-at-top
+from microbench.doctor import diagnose, pair_rounds, simulate, survey, verdict  # pylint: disable=g-import-not-at-top
 from microbench.doctor.fleet import Fleet, Test as PairTest  # pylint: disable=g-import-not-at-top
 from microbench.fabric import description as fd  # pylint: disable=g-import-not-at-top
 
@@ -35,7 +35,7 @@ def _check_rounds(rounds: list[list[tuple[int, int]]], n: int) -> None:
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 9, 16])
 def test_circle_method_is_a_complete_round_robin(n):
-  rounds = [schedule.circle_round(range(n), r) for r in range(schedule.full_round_count(n))]
+  rounds = [pair_rounds.circle_round(range(n), r) for r in range(pair_rounds.full_round_count(n))]
   _check_rounds(rounds, n)
   met = [p for pairs in rounds for p in pairs]
   assert sorted(met) == sorted(itertools.combinations(range(n), 2)), "every pair exactly once"
@@ -45,35 +45,35 @@ def test_circle_method_is_a_complete_round_robin(n):
 def test_survey_is_bounded_and_disjoint_whatever_the_fleet():
   for n, per in [(2, 2), (4, 2), (5, 5), (8, 2), (8, 4), (12, 5), (64, 8), (512, 32), (600, 18)]:
     racks = tuple(i // per for i in range(n))
-    rounds = schedule.survey(racks)
-    assert len(rounds) == min(schedule.SURVEY_ROUNDS, schedule.full_round_count(n)), (n, per)
+    rounds = pair_rounds.survey(racks)
+    assert len(rounds) == min(pair_rounds.SURVEY_ROUNDS, pair_rounds.full_round_count(n)), (n, per)
     _check_rounds(rounds, n)
     tried = {x for pairs in rounds for p in pairs for x in p}
     assert tried == set(range(n)), "every node tried"
   # Several racks: round 0 keeps pairs inside racks (every node's own link tried without an uplink).
-  rounds = schedule.survey(tuple(i // 32 for i in range(512)))
+  rounds = pair_rounds.survey(tuple(i // 32 for i in range(512)))
   assert all(a // 32 == b // 32 for a, b in rounds[0]) and len(rounds[0]) == 256
   assert len({p for pairs in rounds for p in pairs}) == 4 * 256, "no pair twice"
 
 
 def test_pack_puts_no_node_twice_in_a_round():
-  rounds = schedule.pack([(0, 1), (1, 2), (2, 3), (0, 3), (4, 5)])
+  rounds = pair_rounds.pack([(0, 1), (1, 2), (2, 3), (0, 3), (4, 5)])
   _check_rounds(rounds, 6)
   assert rounds[0] == [(0, 1), (2, 3), (4, 5)]
 
 
 # ------------------------------------------------------------------------------------------- the diagnosis
-def _run(fleet: Fleet, faults: list[str], seed: int = 0, noise: float = 0.05, **settings) -> doctor.Outcome:
+def _run(fleet: Fleet, faults: list[str], seed: int = 0, noise: float = 0.05, **settings) -> survey.Outcome:
   sim = simulate.SimulatedFleet(fleet, simulate.parse_faults(faults, fleet), noise=noise, seed=seed)
-  return doctor.run(fleet, sim.measure, doctor.Settings(**settings))
+  return survey.run(fleet, sim.measure, survey.Settings(**settings))
 
 
-def _names_exactly(outcome: doctor.Outcome, planted: set[str]) -> None:
+def _names_exactly(outcome: survey.Outcome, planted: set[str]) -> None:
   """The check every diagnosis must pass: the planted parts named, nothing else, nothing left unresolved."""
   named = set(outcome.verdict.culprits)
   assert named == planted, f"named {sorted(named)}, planted {sorted(planted)}"
   assert not outcome.verdict.unresolved, outcome.verdict.unresolved
-  assert report.exit_status(outcome) == (report.FOUND if planted else report.HEALTHY)
+  assert verdict.exit_status(outcome) == (verdict.FOUND if planted else verdict.HEALTHY)
 
 
 LEONARDO_64 = dataclasses.replace(fd.parse("leonardo"), nodes_per_leaf=8)
@@ -97,7 +97,7 @@ CASES = [  # (fleet, planted faults, the parts that must be named)
 def test_a_planted_fault_is_named_exactly(fleet, faults, named):
   outcome = _run(fleet, faults)
   _names_exactly(outcome, named)
-  assert outcome.survey_rounds <= schedule.SURVEY_ROUNDS and outcome.confirm_rounds <= doctor.CONFIRM_ROUNDS
+  assert outcome.survey_rounds <= pair_rounds.SURVEY_ROUNDS and outcome.confirm_rounds <= survey.CONFIRM_ROUNDS
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -150,10 +150,10 @@ def test_what_cannot_be_told_apart_is_said_not_guessed():
                               (Fleet.dense(4, 2), "uplink0:rate=0.25", "uplink0+uplink1")]:
     outcome = _run(fleet, [fault])
     assert list(outcome.verdict.culprits) == [block], (fault, outcome.verdict)
-    assert report.exit_status(outcome) == report.FOUND
+    assert verdict.exit_status(outcome) == verdict.FOUND
   outcome = _run(Fleet.dense(2, 2), ["h1:rate=0.25"])
-  assert not outcome.verdict.culprits and report.exit_status(outcome) == report.HEALTHY
-  assert "two nodes" in report.table(report.to_json(Fleet.dense(2, 2), outcome, dict(doctor.SIZES), {}))
+  assert not outcome.verdict.culprits and verdict.exit_status(outcome) == verdict.HEALTHY
+  assert "two nodes" in verdict.table(verdict.to_json(Fleet.dense(2, 2), outcome, dict(survey.SIZES), {}))
 
 
 def test_an_uplink_the_pairs_cannot_load_is_unresolved_not_guessed():
@@ -165,7 +165,7 @@ def test_an_uplink_the_pairs_cannot_load_is_unresolved_not_guessed():
   outcome = _run(fleet, ["uplink9:rate=0.1"])
   assert not outcome.verdict.culprits and "uplink9" in outcome.verdict.unresolved
   assert all(p.startswith("uplink") for p in outcome.verdict.unresolved)
-  assert report.exit_status(outcome) == report.UNRESOLVED
+  assert verdict.exit_status(outcome) == verdict.UNRESOLVED
 
 
 def test_judge_is_relative_to_the_fleet():
@@ -187,17 +187,17 @@ def test_fleet_typical_survives_a_slow_node_in_half_the_pairs():
 
 def test_simulated_512_nodes_takes_a_bounded_number_of_rounds():
   outcome = _run(Fleet.dense(512, 32), ["h100:rate=0.25"])
-  assert outcome.survey_rounds == schedule.SURVEY_ROUNDS == 4
-  assert 1 <= outcome.confirm_rounds <= doctor.CONFIRM_ROUNDS
-  assert schedule.full_round_count(512) == 511
+  assert outcome.survey_rounds == pair_rounds.SURVEY_ROUNDS == 4
+  assert 1 <= outcome.confirm_rounds <= survey.CONFIRM_ROUNDS
+  assert pair_rounds.full_round_count(512) == 511
 
 
 # ------------------------------------------------------------------------------------------- outputs and the CLI
 def test_json_and_table_say_measured_expected_and_fleet(tmp_path):
   fleet = Fleet.dense(8, 4, fabric=fd.testbed(4, 0.025, 0.025, racks=2))
   outcome = _run(fleet, ["h5:rate=0.25"])
-  doc = report.to_json(fleet, outcome, dict(doctor.SIZES), {})
-  json_path, text_path = report.write(str(tmp_path), doc)
+  doc = verdict.to_json(fleet, outcome, dict(survey.SIZES), {})
+  json_path, text_path = verdict.write(str(tmp_path), doc)
   doc = json.load(open(json_path, encoding="utf-8"))
   assert doc["status"] == 1 and [c["part"] for c in doc["culprits"]] == ["h5"]
   assert doc["culprits"][0]["hosts"] == ["node5"], "the host a prolog would drain"

@@ -23,9 +23,9 @@ import pytest  # noqa: E402
 
 from _trainers import assert_grads_match, compiled_step, make_trainer, sgd_run  # noqa: E402
 from microbench.train.comm_fingerprint import comm_fingerprint  # noqa: E402
-from models import context, layers, moe, pipeline, pipeline_schedule as ps, transformer  # noqa: E402
-from models.layers import Execution  # noqa: E402
-from models.optimizer import sgd  # noqa: E402
+from microbench.models import context, layers, moe, pipeline, pipeline_schedule as ps, transformer  # noqa: E402
+from microbench.models.layers import Execution  # noqa: E402
+from microbench.models.optimizer import sgd  # noqa: E402
 
 CASES = [
     ("gpt2", "dp:8"),
@@ -115,7 +115,7 @@ def test_grad_accumulation_equals_the_big_batch():
 
 def _scaled_by_dp(monkeypatch, degree: int) -> None:
   """The classic data-parallel bug: gradients summed over replicas instead of averaged."""
-  from models.train_step import Trainer
+  from microbench.models.train_step import Trainer
   original = Trainer.loss_and_grads
 
   def buggy(self, params, rest, batch):

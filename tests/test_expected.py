@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from meshes.scopes import plan_scopes
-from meshes.topology import Topology
-from microbench.fabric import collectives as fabric_collectives
+from microbench.meshes.scopes import plan_scopes
+from microbench.meshes.topology import Topology
+from microbench.fabric import collective_model as fabric_collectives
 from microbench.fabric import description, expected
 from microbench.output import table
 from tests.conftest import run_cli

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from microbench.fabric import collectives as fc
+from microbench.fabric import collective_model as fc
 from microbench.fabric import description as fd
 from microbench.fabric import flows as fl
 from microbench.fabric import jobs as fj
-from microbench.fabric import peaks
+from microbench.fabric import link_peaks
 
 
 # Flows.
@@ -147,7 +147,7 @@ def test_single_node_figures_are_within_reach_of_published_nccl_numbers():
 
 def test_fabric_feeds_the_sweeps_link_peaks():
   dgx = fd.system("dgx").level_peaks()
-  assert dgx["scale_up"].gbps == peaks.LINKS["nvlink3"][0] and dgx["scale_out"].gbps == 25.0
+  assert dgx["scale_up"].gbps == link_peaks.LINKS["nvlink3"][0] and dgx["scale_out"].gbps == 25.0
   lumi = fd.system("lumi").level_peaks()
   assert lumi["scale_out"].gbps == pytest.approx(4 * 25.0 / 8)  # 4 NICs shared by 8 GCDs
   assert "rack_scale" in fd.system("nvl72").level_peaks()

@@ -24,9 +24,9 @@ from _trainers import FAST, compiled_step, make_trainer  # noqa: E402
 from microbench import train  # noqa: E402
 from microbench.study import presets  # noqa: E402
 from microbench.train.comm_fingerprint import comm_report  # noqa: E402
-from models.layers import Execution  # noqa: E402
-from models.optimizer import adamw  # noqa: E402
-from models.train_step import Trainer  # noqa: E402
+from microbench.models.layers import Execution  # noqa: E402
+from microbench.models.optimizer import adamw  # noqa: E402
+from microbench.models.train_step import Trainer  # noqa: E402
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "comm_fingerprints.json")
 

@@ -2,7 +2,7 @@
 
 Needs JAX's CUDA PJRT plugin (the `gpu-compile` extra, which .ci/run installs); every test here is skipped
 with that reason when it is absent. Nothing runs on a GPU: the programs are compiled for compile-only devices
-of a described GPU kind (microbench/target/specs) and read.
+of a described GPU kind (microbench/aot/specs) and read.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from meshes.mesh import build_mesh
-from meshes.scopes import plan_scopes
-from meshes.topology import AXES, Topology
+from microbench.meshes.mesh import build_mesh
+from microbench.meshes.scopes import plan_scopes
+from microbench.meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, program
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.fabric import gpu_kinds
-from microbench.target import compile_only
-from microbench.train import peaks
+from microbench.aot import gpu_compile
+from microbench.train import flops_peaks
 
-needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_available(),
                                   reason="JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden", "comm_fingerprints_h100.json")
 
@@ -50,8 +50,8 @@ def test_every_kind_names_its_sources_and_targets_have_a_compiler_description():
 
 def test_link_and_mfu_peaks_come_from_the_kinds_table():
   h200 = gpu_kinds.target("h200")
-  assert peaks.table_peak("NVIDIA H200", "bfloat16").tflops == h200.bf16_tflops
-  assert peaks.table_peak("NVIDIA H200 NVL", "bfloat16").tflops == gpu_kinds.kinds()["h200-nvl"].bf16_tflops
+  assert flops_peaks.table_peak("NVIDIA H200", "bfloat16").tflops == h200.bf16_tflops
+  assert flops_peaks.table_peak("NVIDIA H200 NVL", "bfloat16").tflops == gpu_kinds.kinds()["h200-nvl"].bf16_tflops
   got = link_peaks.resolve("NVIDIA GB200")
   assert got["scale_up"].link == "nvlink5" and got["rack_scale"].link == "nvlink5"
   assert link_peaks.resolve("NVIDIA GH200 480GB")["scale_up"].link == "nvlink4"
@@ -59,18 +59,18 @@ def test_link_and_mfu_peaks_come_from_the_kinds_table():
 
 
 def test_without_the_plugin_the_target_says_what_to_install(monkeypatch):
-  monkeypatch.setattr(compile_only, "plugin_available", lambda: False)
-  with pytest.raises(compile_only.TargetError, match=r"pip install -e '\.\[gpu-compile\]'"):
-    compile_only.make_target("h100", 1, 8)
+  monkeypatch.setattr(gpu_compile, "plugin_available", lambda: False)
+  with pytest.raises(gpu_compile.TargetError, match=r"pip install -e '\.\[gpu-compile\]'"):
+    gpu_compile.make_target("h100", 1, 8)
 
 
 def test_fit_is_against_what_jax_gets_of_the_device(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
-  f = compile_only.fit(70 * 2**30, 80 * 2**30)
+  f = gpu_compile.fit(70 * 2**30, 80 * 2**30)
   assert f["fits"] is False and f["fits_whole_device"] is True and f["usable_bytes"] == 60 * 2**30
   monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
-  assert compile_only.fit(70 * 2**30, 80 * 2**30)["fits"] is True
+  assert gpu_compile.fit(70 * 2**30, 80 * 2**30)["fits"] is True
 
 
 # ------------------------------------------------------------------------------------------------ the sweep
@@ -117,9 +117,9 @@ def test_bad_target_is_one_line():
 
 @pytest.fixture(scope="module")
 def gpu_mesh():
-  if not compile_only.plugin_available():
+  if not gpu_compile.plugin_available():
     pytest.skip("JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
-  target = compile_only.make_target("h100", 2, 8)
+  target = gpu_compile.make_target("h100", 2, 8)
   topology = Topology(1, 2, 8)
   return topology, build_mesh(topology, list(target.devices))
 

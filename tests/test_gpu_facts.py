@@ -12,12 +12,12 @@ import os
 
 import pytest
 
-from meshes.scopes import SCOPE_AXES
+from microbench.meshes.scopes import SCOPE_AXES
 from microbench.fabric import description as fd
 from microbench.fabric import gpu_kinds
-from microbench.fabric import peaks as link_peaks
-from microbench.target import compile_only
-from microbench.train import peaks as mfu_peaks
+from microbench.fabric import link_peaks
+from microbench.aot import gpu_compile
+from microbench.train import flops_peaks as mfu_peaks
 
 MIB = 2**20
 GIB = 2**30
@@ -112,10 +112,10 @@ def test_a_50_gib_all_reduce_fits_an_h200(monkeypatch):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
   need = 2 * 50 * GIB
-  f = compile_only.fit(need, gpu_kinds.target("h200").memory_bytes)
+  f = gpu_compile.fit(need, gpu_kinds.target("h200").memory_bytes)
   assert f["fits"] is True and f["usable_bytes"] == int(0.75 * 143771 * MIB)
   assert round(f["usable_bytes"] / GIB, 1) == 105.3
-  old = compile_only.fit(need, 141_000_000_000)
+  old = gpu_compile.fit(need, 141_000_000_000)
   assert old["fits"] is False and round(old["usable_bytes"] / GIB, 1) == 98.5
 
 
@@ -126,7 +126,7 @@ def test_the_fit_uses_the_memory_fraction_under_either_name(monkeypatch, name):
   monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.setenv(name, "0.5")
-  assert compile_only.mem_fraction() == 0.5
+  assert gpu_compile.mem_fraction() == 0.5
 
 
 # ------------------------------------------------------------------------------------ bus peaks vs the links

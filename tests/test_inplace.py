@@ -18,11 +18,11 @@ import pytest
 from jax import lax
 
 from conftest import run_cli
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program, sweep
-from microbench.target import compile_only
+from microbench.aot import gpu_compile
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)  # scale_up: groups of 2, rack_scale: 4, global: 8
 PLANS = {p.name: p for p in plan_scopes(TOPOLOGY, SCOPES)}
@@ -169,7 +169,7 @@ def test_cli_refuses_what_has_no_meaning_in_one_line_and_skips_small_groups(tmp_
 
 # ------------------------------------------------------------------------------------------- on a GPU target
 
-@pytest.mark.skipif(not compile_only.plugin_available(), reason="JAX's CUDA PJRT plugin is not installed")
+@pytest.mark.skipif(not gpu_compile.plugin_available(), reason="JAX's CUDA PJRT plugin is not installed")
 def test_on_gpus_all_reduce_and_broadcast_run_in_place_and_the_others_copy_back(tmp_path):
   """XLA:GPU's own compiled programs: all-reduce and collective-broadcast write their operand's buffer (no
   copy in place; the out-of-place all-reduce copies its input first), all-to-all and collective-permute run out
@@ -193,7 +193,7 @@ def test_on_gpus_all_reduce_and_broadcast_run_in_place_and_the_others_copy_back(
   assert all(x["status"] == "compiled" for x in recs.values())
   assert "replica_groups={{3,0,1,2,4,5,6,7}}" in recs["broadcast_root3"]["hlo"]
 
-  target = compile_only.make_target("h100", 1, 8)
+  target = gpu_compile.make_target("h100", 1, 8)
   gpu_mesh = build_mesh(Topology(1, 1, 8), list(target.devices))
   plan = next(p for p in plan_scopes(Topology(1, 1, 8), ["scale_up"]) if p.name == "scale_up")
 

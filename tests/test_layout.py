@@ -1,8 +1,9 @@
 """The folder tree is the architecture: each package imports only from the layers below it, with no cycles.
 
 Layers, bottom to top: `microbench.fabric` (what a machine is and what a collective costs: GPU kinds, links,
-rates, machine descriptions, collective cost formulas; JAX-free); `meshes` (topologies, meshes, scopes,
-strategies as rules); `models` (Flax models, on meshes only); `microbench.target` (compile-only devices);
+rates, machine descriptions, collective cost formulas; JAX-free); `meshes/` (topologies, meshes, scopes,
+strategies as rules) and `models/` (Flax models, on meshes only), folders at the top of the repository that
+install as `microbench.meshes` and `microbench.models`; `microbench.aot` (compile-only devices);
 `microbench.hlo`, `.output`, `.cluster` (reading programs, writing results, running on hosts);
 `microbench.report` (reading finished runs: fits, tables, plots); `microbench.bench`, `.train` (the two
 measurements, independent of each other); `microbench.study` (built on both); `microbench.cli` (the
@@ -24,9 +25,9 @@ PACKAGES = ("meshes", "models", "microbench")
 
 LAYER = {
     "microbench.fabric": 0,  # what a machine is and what a collective costs, as data and formulas: JAX-free
-    "meshes": 1,
-    "models": 2,
-    "microbench.target": 3,  # compile-only devices of a GPU kind (the kinds themselves are fabric's)
+    "microbench.meshes": 1,
+    "microbench.models": 2,
+    "microbench.aot": 3,  # compile-only devices of a GPU kind (the kinds themselves are fabric's)
     "microbench.hlo": 4, "microbench.output": 4, "microbench.cluster": 4,
     "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
     "microbench.bench": 6, "microbench.train": 6,
@@ -52,7 +53,8 @@ def _modules(root: str = ROOT) -> dict[str, str]:
       for f in files:
         if f.endswith(".py"):
           rel = os.path.relpath(os.path.join(dirpath, f), root)[:-3].replace(os.sep, ".")
-          out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+          name = rel.removesuffix(".__init__")
+          out[name if pkg == "microbench" else f"microbench.{name}"] = os.path.join(dirpath, f)
   return out
 
 
@@ -69,7 +71,7 @@ def _imports(path: str, module: str, known: set[str]) -> set[str]:
     else:
       continue
     for name in names:
-      if name.split(".")[0] in PACKAGES:
+      if name.split(".")[0] == "microbench":
         while name not in known and "." in name:  # `from pkg import function` -> pkg
           name = name.rsplit(".", 1)[0]
         if name in known and name != module:
@@ -100,8 +102,8 @@ def test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root: str = R
 
 def test_models_depend_only_on_meshes():
   for m, deps in _graph().items():
-    if m.startswith("models"):
-      assert all(d.split(".")[0] in ("models", "meshes") for d in deps), (m, deps)
+    if m.startswith("microbench.models"):
+      assert all(d.startswith(("microbench.models", "microbench.meshes")) for d in deps), (m, deps)
 
 
 def test_fabric_is_jax_free(root: str = ROOT):
@@ -158,7 +160,7 @@ def test_checks_catch_a_planted_violation(tmp_path):
   root = _copy_of_the_tree(tmp_path)
   test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root)  # the copy passes as the tree does
   with open(os.path.join(root, "microbench", "cluster", "_planted_violation.py"), "w", encoding="utf-8") as f:
-    f.write("from microbench.cli import runner  # planted by tests/test_layout.py\n")
+    f.write("from microbench.cli import absl_app  # planted by tests/test_layout.py\n")
   with pytest.raises(AssertionError, match="_planted_violation"):
     test_no_module_imports_from_a_layer_above_or_a_sibling_concern(root)
 
@@ -270,3 +272,38 @@ def test_every_link_between_the_docs_resolves():
       elif anchor and path.endswith(".md") and anchor not in anchors(path):
         bad.append(f"{page}: {target} (no such heading)")
   assert not bad, "\n".join(bad)
+
+
+def test_models_and_meshes_install_inside_the_package():
+  """Nothing named `models` or `meshes` may be imported as a top-level package (any other project's folder of
+  that name would shadow ours); pyproject's package list names every folder with an __init__.py."""
+  bad = []
+  for m, path in _modules().items():
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+      names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+               [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+      bad += [f"{m} imports {n}" for n in names if n.split(".")[0] in ("models", "meshes")]
+  assert not bad, "\n".join(bad)
+  import tomllib  # pylint: disable=import-outside-toplevel
+  with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+    tool = tomllib.load(f)["tool"]["setuptools"]
+  packages = {m for m, p in _modules().items() if p.endswith("__init__.py")}
+  assert set(tool["packages"]) == packages, set(tool["packages"]) ^ packages
+  assert tool["package-dir"] == {"microbench.models": "models", "microbench.meshes": "meshes"}
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_no_top_level_models_or_meshes(tmp_path):
+  """`pip install .` puts models and meshes under microbench/: the built wheel's files say so, and in this
+  environment (an editable install) `import models` fails outside the repository while microbench.models works."""
+  import zipfile  # pylint: disable=import-outside-toplevel
+  subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
+                  str(tmp_path), ROOT], check=True, timeout=300, capture_output=True)
+  (wheel,) = tmp_path.glob("microbench-*.whl")
+  tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+  names = set(zipfile.ZipFile(wheel).namelist())
+  assert not tops & {"models", "meshes"}, tops
+  assert {"microbench/models/transformer.py", "microbench/meshes/mesh.py", "microbench/aot/gpu_compile.py"} <= names
+  code = ("import importlib.util as u; import microbench.models.transformer, microbench.meshes.mesh;"
+          "assert u.find_spec('models') is None and u.find_spec('meshes') is None")
+  subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=120)

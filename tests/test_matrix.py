@@ -232,8 +232,8 @@ def _target_sample(backends: tuple[str, ...], count: int, tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("MICROBENCH_MATRIX_TARGETS", "1") == "1", reason="targets off")
 def test_a_sample_of_every_gpu_kind_compiles_and_checks(tmp_path):
-  from microbench.target import compile_only  # pylint: disable=import-outside-toplevel
-  if not compile_only.plugin_available():
+  from microbench.aot import gpu_compile  # pylint: disable=import-outside-toplevel
+  if not gpu_compile.plugin_available():
     pytest.skip("JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
   summary = _target_sample(matrix.GPU_KINDS, 6, tmp_path)
   assert set(summary["by_backend"]) == set(matrix.GPU_KINDS)
@@ -241,8 +241,8 @@ def test_a_sample_of_every_gpu_kind_compiles_and_checks(tmp_path):
 
 @pytest.mark.slow
 def test_a_sample_of_every_tpu_kind_compiles_and_checks(tmp_path):
-  from microbench.target import tpu_compile_only  # pylint: disable=import-outside-toplevel
-  if not tpu_compile_only.libtpu_available():
+  from microbench.aot import tpu_compile  # pylint: disable=import-outside-toplevel
+  if not tpu_compile.libtpu_available():
     pytest.skip("libtpu is not installed: pip install -e '.[tpu-compile]'")
   summary = _target_sample(matrix.TPU_KINDS, 6, tmp_path)
   assert set(summary["by_backend"]) == set(matrix.TPU_KINDS)

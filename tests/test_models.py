@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models import ModelError, flops, get_model  # noqa: E402
+from microbench.models import ModelError, flops, get_model  # noqa: E402
 from microbench import train  # noqa: E402
 
 

@@ -17,10 +17,10 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from meshes import parallelism as par  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
 from microbench.train import comm_fingerprint  # noqa: E402
-from models import mixtral, moe  # noqa: E402
-from models.train_step import state_shardings  # noqa: E402
+from microbench.models import mixtral, moe  # noqa: E402
+from microbench.models.train_step import state_shardings  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}
 BATCH, SEQ = 8, 8

@@ -23,8 +23,8 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import _moe_reference as ref  # noqa: E402
-from meshes import parallelism as par  # noqa: E402
-from models import moe  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
+from microbench.models import moe  # noqa: E402
 
 B, T, D, F, E = 2, 16, 8, 16, 4
 RTOL = 1e-5  # float32 layer vs float64 reference, relative to each tensor's largest value (measured: <= 2e-7)

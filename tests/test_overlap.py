@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import plan_scopes
-from meshes.topology import AXES, Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import plan_scopes
+from microbench.meshes.topology import AXES, Topology
 from microbench.bench import collectives, hlo_check, overlap, program, sweep
 from microbench.hlo import parse
-from microbench.hlo import schedule as hlo_schedule
-from microbench.target import compile_only
+from microbench.hlo import async_windows
+from microbench.aot import gpu_compile
 
 TOPOLOGY = Topology(racks=1, nodes=2, gpus=4)
-needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_available(),
                                   reason="JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
 
 
@@ -255,7 +255,7 @@ def test_the_schedule_check_reads_the_matmul_inside_the_window():
   assert got["overlap_scheduled"] is True and got["overlap_windows"] == [1, 1], got
   assert got["overlap_hlo"] == ["%all-reduce-start = all-reduce-start", "%gemm_fusion_dot = fusion (matmul)",
                                 "%all-reduce-done = all-reduce-done"]
-  (window,) = hlo_schedule.windows(SCHEDULED)
+  (window,) = async_windows.windows(SCHEDULED)
   assert window.op == "all-reduce" and window.computation == "body"
 
 
@@ -280,9 +280,9 @@ def test_an_unscheduled_or_synchronous_module_is_not_overlapped():
 
 @pytest.fixture(scope="module")
 def gpu_mesh():
-  if not compile_only.plugin_available():
+  if not gpu_compile.plugin_available():
     pytest.skip("JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
-  target = compile_only.make_target("h100", 1, 8)
+  target = gpu_compile.make_target("h100", 1, 8)
   return build_mesh(Topology(1, 1, 8), list(target.devices))
 
 
@@ -303,7 +303,7 @@ def test_on_gpus_the_matmul_runs_between_the_collectives_start_and_done(gpu_mesh
   assert facts["overlap_windows"] == [2, 2] and _window_order(facts["overlap_hlo"]) == ["start", "matmul", "done"] * 2
   both = overlap.build_both(coll, gpu_mesh, plan, 1 << 20, "bfloat16", overlap.TARGET_DIM, 10, long)
   bodies = {lp.body for lp in parse.while_loops(both.hlo_text) if lp.trip_count == 5}
-  assert {w.computation for w in hlo_schedule.windows(both.hlo_text)} <= bodies  # inside the timed loop
+  assert {w.computation for w in async_windows.windows(both.hlo_text)} <= bodies  # inside the timed loop
 
 
 @needs_plugin

@@ -11,11 +11,11 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from meshes import parallelism as par  # noqa: E402
-from meshes.topology import Topology  # noqa: E402
-from models import get_model  # noqa: E402
-from models.optimizer import adamw  # noqa: E402
-from models.train_step import Trainer  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
+from microbench.meshes.topology import Topology  # noqa: E402
+from microbench.models import get_model  # noqa: E402
+from microbench.models.optimizer import adamw  # noqa: E402
+from microbench.models.train_step import Trainer  # noqa: E402
 
 
 def test_parse_degrees_and_defaults():
@@ -49,7 +49,7 @@ def test_rules_table():
     assert rules[name] == ("tensor",), name
   for name in ("norm", "head_dim", "act_embed", "pos"):
     assert rules[name] is None, name
-  # Pipeline and context parallelism: in the vocabulary and mapped, run by models.pipeline/context.
+  # Pipeline and context parallelism: in the vocabulary and mapped, run by microbench.models.pipeline/context.
   assert {"stage", "expert", "context"} <= set(par.MESH_AXES)
   assert rules["layers"] == ("stage",) and rules["act_seq"] == ("context",)
   assert par.spec_for(("batch", None, "act_vocab")) == jax.P(("data", "fsdp", "expert"), None, "tensor")

@@ -16,10 +16,10 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from meshes import parallelism as par  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
 from microbench.train import comm_fingerprint  # noqa: E402
-from models import pipeline, pipeline_schedule as ps  # noqa: E402
-from models.layers import Block, BlockConfig, Norm  # noqa: E402
+from microbench.models import pipeline, pipeline_schedule as ps  # noqa: E402
+from microbench.models.layers import Block, BlockConfig, Norm  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}
 CFG = BlockConfig(d_model=16, num_heads=4, num_kv_heads=2, d_ff=32, norm="rmsnorm", mlp="swiglu", rope=True,

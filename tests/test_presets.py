@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from meshes import parallelism as par  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
 from microbench import train  # noqa: E402
 from microbench.study import presets  # noqa: E402
 

@@ -15,20 +15,20 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program, ragged_sizes
 from microbench.bench.known_inputs import FILL, GroupInputs
 from microbench.fabric import conventions
-from microbench.target import compile_only
+from microbench.aot import gpu_compile
 from microbench.train import dispatch
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)  # scale_up: groups of 2, rack_scale: 4, global: 8
 PLANS = {p.name: p for p in plan_scopes(TOPOLOGY, SCOPES)}
 COUNT = 101  # prime: runs of every length, no distribution splits it evenly
 
-needs_plugin = pytest.mark.skipif(not compile_only.plugin_available(),
+needs_plugin = pytest.mark.skipif(not gpu_compile.plugin_available(),
                                   reason="JAX's CUDA PJRT plugin is not installed: pip install -e '.[gpu-compile]'")
 
 
@@ -308,7 +308,7 @@ def test_compiled_for_h100_it_is_the_async_ragged_all_to_all_in_the_loop():
   """Deviceless XLA:GPU: every distribution's timed programs run ragged-all-to-all-start/done inside the loop
   with nothing of the message's size written besides; the padded emulation, a zeroed buffer per repetition and
   repetitions independent of each other (XLA merges them) fail the check there."""
-  target = compile_only.make_target("h100", 2, 4)
+  target = gpu_compile.make_target("h100", 2, 4)
   gpu_mesh = build_mesh(Topology(racks=1, nodes=2, gpus=4), list(target.devices))
   plan = {p.name: p for p in plan_scopes(Topology(racks=1, nodes=2, gpus=4), SCOPES)}["global"]
   for name in collectives.RAGGED:

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import ROOT, clean_env
 from microbench.cluster import environment
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.output import run_folder
 from microbench.report import alpha_beta, tables
 

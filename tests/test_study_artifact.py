@@ -184,10 +184,10 @@ def test_report_gives_sigma_per_experiment(tmp_path):
   """sigma.json: beside each key's pooled sigma, one per experiment the key ran in (the artifact's unit)."""
   from test_study_runner import FakeBackend, behave_by_kind, make_plan, run
 
-  from microbench.study import report
+  from microbench.study import sigma_report
   plan = make_plan(tmp_path, [[("dp", None, [0, 2]), ("dp", None, [1, 3])], [("dp", None, [0, 2])]])
   run(tmp_path, plan, FakeBackend(behave_by_kind(conc={"j1": 50.0}, small_iters=8)), iters=8)
-  report.build(str(tmp_path / "res"), plots=False, say=lambda _: None)
+  sigma_report.build(str(tmp_path / "res"), plots=False, say=lambda _: None)
   rows = json.load(open(tmp_path / "res" / "report" / "sigma.json", encoding="utf-8"))
   row = next(r for r in rows if r["placement_class"] == "intra-group")
   per = row["per_experiment"]

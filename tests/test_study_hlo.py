@@ -9,8 +9,8 @@ import re
 import pytest
 
 from microbench.hlo import parse as hlo
-from microbench.study import hlo_schedule as hs
-from microbench.study import schedules as sch
+from microbench.study import step_collectives as hs
+from microbench.study import rank_programs as sch
 from microbench.train import comm_fingerprint
 
 SYNTHETIC = """HloModule m, is_scheduled=true

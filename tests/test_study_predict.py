@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from microbench.study import machines as mm
-from microbench.study import predict, report, runner
+from microbench.study import predict, run_plan, sigma_report
 from test_study_runner import FakeBackend, behave_by_kind, make_plan, run
 
 
@@ -36,7 +36,7 @@ def test_the_report_puts_predicted_beside_measured_sigma(tmp_path):
   pred = predict.predict(plan, bytes_scale=0.001, compute_scale=0.1)
   predict.write(out_dir, pred)  # before the run, into the folder it fills
   _, s = run(tmp_path, plan, FakeBackend(behave_by_kind(conc={"j0": 50.0})), iters=12)
-  out = report.build(s.out_dir, plots=False, say=lambda m: None)
+  out = sigma_report.build(s.out_dir, plots=False, say=lambda m: None)
   md = open(os.path.join(out["report_dir"], "report.md")).read()
   assert "## Predicted against measured sigma" in md and "- assumed: " in md
   section = md.split("## Predicted against measured sigma")[1]
@@ -129,7 +129,7 @@ def test_jobs_whose_proxies_come_from_hlo_are_derived_and_predicted(tmp_path):
   r = subprocess.run([*study, "plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3",
                       "--derive=dp=gpt2-tiny", f"--out={plan}"], capture_output=True, text=True, check=False, timeout=120)
   assert r.returncode == 0, r.stderr
-  plan_json, experiments = runner.load_plan(str(plan))
+  plan_json, experiments = run_plan.load_plan(str(plan))
   with pytest.raises(ValueError, match="derive it first"):  # the model never guesses a derived schedule
     predict.predict_experiments(mm.Machine.from_json(plan_json["machine"]), experiments)
   r = subprocess.run([*study, "predict", f"--plan={plan}", f"--out={res}", "--compute_scale=0"],

@@ -78,8 +78,8 @@ def test_plan_can_derive_a_strategys_proxies(tmp_path):
   jobs = json.load(open(tmp_path / "experiments" / "e000.json"))["jobs"]
   assert jobs[0]["proxy_from"] == "gpt2-tiny,fsdp" and jobs[0]["model"] == "gpt2-tiny"
   assert "proxy_from" not in jobs[1]
-  from microbench.study import machines, runner
-  cmd = runner.proxy_command(jobs[0], machines.parse("testbed"), runner.RunSettings("p", "o"), "raw", "t")
+  from microbench.study import machines, run_plan
+  cmd = run_plan.proxy_command(jobs[0], machines.parse("testbed"), run_plan.RunSettings("p", "o"), "raw", "t")
   assert "--proxy_from=gpt2-tiny,fsdp" in cmd
 
 

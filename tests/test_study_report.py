@@ -9,13 +9,13 @@ import statistics
 
 import pytest
 
-from microbench.study import report, stats
+from microbench.study import sigma_report, stats
 
 BASE_THR = 100.0
 
 
 def _samples(unit, kind, job, key, thr, n, experiment=None):
-  return [report.Sample(unit, kind, experiment, job, key, 0, i, thr * (1 + 0.001 * (i % 5)), 1.0, 0.1)
+  return [sigma_report.Sample(unit, kind, experiment, job, key, 0, i, thr * (1 + 0.001 * (i % 5)), 1.0, 0.1)
           for i in range(n)]
 
 
@@ -39,31 +39,32 @@ def _check_cell(cells):
   """Three of four jobs ran ~200% slower: the cell's figure is theirs, with four jobs and 140 samples."""
   jobs = cells[("low", "high")]
   assert len(jobs) == 4 and sum(j.n_samples for j in jobs) == 140
-  assert report.cell_median(jobs) == pytest.approx(200.0, abs=2.0)
+  assert sigma_report.cell_median(jobs) == pytest.approx(200.0, abs=2.0)
   assert statistics.fmean(j.median_pct for j in jobs) == pytest.approx(150.0, abs=2.0)
 
 
 def test_slowdown_cells_weigh_each_job_once():
   samples, units = _mix()
-  slow = report.slowdowns(samples, report.by_key(samples))
+  slow = sigma_report.slowdowns(samples, sigma_report.by_key(samples))
   assert len(slow) == 140
   assert statistics.median(v for _, v in slow) == pytest.approx(0.0, abs=1.0)  # what pooling reported
-  _check_cell(report.bin_cells(slow, units))
+  _check_cell(sigma_report.bin_cells(slow, units))
 
 
 def test_pooled_samples_fail_the_cell_check():
   """Mutation: every sample its own 'job' (the old pooling) reads ~0% and must fail."""
   samples, units = _mix()
-  slow = report.slowdowns(samples, report.by_key(samples))
-  pooled = {("low", "high"): [report.JobSlowdown(s.unit, s.job, v, 1) for s, v in slow]}
+  slow = sigma_report.slowdowns(samples, sigma_report.by_key(samples))
+  pooled = {("low", "high"): [sigma_report.JobSlowdown(s.unit, s.job, v, 1) for s, v in slow]}
   with pytest.raises(AssertionError):
     _check_cell(pooled)
 
 
 def test_markdown_states_the_weighting():
   samples, units = _mix()
-  keys = report.by_key(samples)
-  md = report.markdown(keys, units, report.bin_cells(report.slowdowns(samples, keys), units), {}, [], "")
+  keys = sigma_report.by_key(samples)
+  cells = sigma_report.bin_cells(sigma_report.slowdowns(samples, keys), units)
+  md = sigma_report.markdown(keys, units, cells, {}, [], "")
   assert "over jobs" in md
   row = next(line for line in md.splitlines() if line.startswith("| low |"))
   assert row.split("|")[4].strip().startswith("200.") and "4 jobs, 140 samples" in row
@@ -85,9 +86,9 @@ def _check_scaling(scaling):
 
 
 def test_scaling_compares_one_placement_class():
-  scaling = report.baseline_scaling(_baselines())
+  scaling = sigma_report.baseline_scaling(_baselines())
   _check_scaling(scaling)
-  md = report.markdown({}, {}, {}, scaling, [], "")
+  md = sigma_report.markdown({}, {}, {}, scaling, [], "")
   rows = {tuple(c.strip() for c in line.split("|")[1:5]): line.split("|")[6].strip() for line in md.splitlines()
           if line.startswith(("| dp |", "| fsdp |"))}
   assert rows == {("dp", "vit-h", "intra-l1", "2"): "ref.", ("dp", "vit-h", "intra-l1", "8"): "0.95",

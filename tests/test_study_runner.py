@@ -14,7 +14,7 @@ from microbench.cluster import launch
 from microbench.study import backends as bk
 from microbench.study import generator as gen
 from microbench.study import machines as mm
-from microbench.study import report, runner, stats
+from microbench.study import run_plan, sigma_report, stats
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fake_proxy.py")
 MACHINE = "testbed:racks=4,hosts_per_rack=2"
@@ -51,11 +51,11 @@ def make_plan(tmp_path, mixes) -> str:
 
 
 def run(tmp_path, plan_dir, backend, resume=False, **kw):
-  s = runner.RunSettings(plan_dir=plan_dir, out_dir=str(tmp_path / "res"), backend="local", grace=kw.pop("grace", 1.0),
-                         **kw)
-  _, experiments, machine = runner.prepare(s, resume)
+  s = run_plan.RunSettings(plan_dir=plan_dir, out_dir=str(tmp_path / "res"), backend="local",
+                           grace=kw.pop("grace", 1.0), **kw)
+  _, experiments, machine = run_plan.prepare(s, resume)
   lines: list[str] = []
-  return runner.run(s, backend, machine, experiments, say=lines.append), s
+  return run_plan.run(s, backend, machine, experiments, say=lines.append), s
 
 
 def behave_by_kind(base_thr=100.0, conc=None, small_iters=2, large_iters=8, small_mode=""):
@@ -96,7 +96,7 @@ def test_all_small_as_the_artifact_runs_every_mix_for_its_walltime(tmp_path):
   until the walltime ends the mix."""
   plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("dp", None, [1, 3])]])
   recs, _ = run(tmp_path, plan, FakeBackend(behave_by_kind(large_iters=2)), baselines=False,
-                small_job_threshold=runner.ALL_SMALL, walltime=3.0)
+                small_job_threshold=run_plan.ALL_SMALL, walltime=3.0)
   e = recs[0]
   assert e["ended"] == "walltime" and not any(j["large"] for j in e["jobs"])
   assert all(len(j["instances"]) >= 2 for j in e["jobs"])  # both respawned, the 4-GPU job too
@@ -122,34 +122,34 @@ def test_a_failing_job_fails_its_unit_and_resume_runs_it_again(tmp_path):
   assert [r["unit"] for r in recs2] == ["e000"] and recs2[0]["status"] == "done"
   assert all(t.startswith("e000.") for t in backend.started)  # baselines were not run again
   assert os.listdir(os.path.join(s.out_dir, "aborted"))  # the failed attempt's records were kept aside
-  assert set(runner.done_units(s.out_dir)) == {"base-dp-vit-h-g4-intra-group", "base-dp-vit-h-g2-intra-group",
+  assert set(run_plan.done_units(s.out_dir)) == {"base-dp-vit-h-g4-intra-group", "base-dp-vit-h-g2-intra-group",
                                                 "e000"}
 
 
 def test_resume_refuses_other_settings_and_an_existing_folder(tmp_path):
   plan = make_plan(tmp_path, [[("dp", None, [0, 2]), ("dp", None, [1, 3])]])
   run(tmp_path, plan, FakeBackend(behave_by_kind()))
-  with pytest.raises(runner.RunError, match="--resume"):
+  with pytest.raises(run_plan.RunError, match="--resume"):
     run(tmp_path, plan, FakeBackend(behave_by_kind()))
-  with pytest.raises(runner.RunError, match="bytes_scale"):
+  with pytest.raises(run_plan.RunError, match="bytes_scale"):
     run(tmp_path, plan, FakeBackend(behave_by_kind()), resume=True, bytes_scale=0.5)
   recs, _ = run(tmp_path, plan, FakeBackend(behave_by_kind()), resume=True)
   assert recs == []
-  with open(os.path.join(tmp_path, "res", runner.UNITS_FILE), "a") as f:
+  with open(os.path.join(tmp_path, "res", run_plan.UNITS_FILE), "a") as f:
     f.write('{"unit": "torn')  # a crash mid-line: ignored, and terminated before the next record
-  assert len(runner.done_units(str(tmp_path / "res"))) == 2
+  assert len(run_plan.done_units(str(tmp_path / "res"))) == 2
 
 
 def test_report_computes_sigma_from_the_records(tmp_path):
   plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("fsdp", None, [1, 3])]])
   _, s = run(tmp_path, plan, FakeBackend(behave_by_kind(conc={"j0": 50.0})), iters=12)
-  samples, units = report.load(s.out_dir)
+  samples, units = sigma_report.load(s.out_dir)
   assert {x.kind for x in samples} == {"baseline", "concurrent"}
   # the warm-up and the first timed iteration of every instance are left out
   raw = [json.loads(line) for line in open(os.path.join(s.out_dir, "raw", "e000", "j0.0.jsonl"))]
   kept = [x for x in samples if x.unit == "e000" and x.job == "j0" and x.instance == 0]
   assert [x.iteration for x in kept] == [r["iter"] for r in raw if r["kind"] == "iter"][2:]
-  out = report.build(s.out_dir, plots=False, say=lambda m: None)
+  out = sigma_report.build(s.out_dir, plots=False, say=lambda m: None)
   k = out["keys"][("dp", "vit-h", 4, "intra-group")]
   base = [x.throughput for x in samples if x.kind == "baseline" and x.key == k.key]
   conc = [x.throughput for x in samples if x.kind == "concurrent" and x.key == k.key]
@@ -168,7 +168,7 @@ def test_report_plots(tmp_path):
   pytest.importorskip("matplotlib")
   plan = make_plan(tmp_path, [[("dp", None, [0, 2, 4, 6]), ("fsdp", None, [1, 3])]])
   _, s = run(tmp_path, plan, FakeBackend(behave_by_kind(conc={"j0": 50.0})))
-  out = report.build(s.out_dir, say=lambda m: None)
+  out = sigma_report.build(s.out_dir, say=lambda m: None)
   assert sorted(os.path.basename(p) for p in out["plots"]) == ["heatmap.png", "scaling.png", "violins.png"]
   for p in out["plots"]:
     assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(p) > 5000

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from microbench.study import schedules as sch
+from microbench.study import rank_programs as sch
 from microbench.study import workloads as wl
 
 # Methodology section 1: forward time (s) at B=16 for A100 / GH200 / MI250X / GB300.

@@ -117,13 +117,13 @@ def test_sigma_per_experiment():
 def test_baselines_time_their_warmup_iteration():
   """The artifact's baselines run 0 warm-up + (1 + R) iterations; concurrent jobs 1 + R with the first untimed."""
   from microbench.study import generator as gen
-  from microbench.study import machines, runner
+  from microbench.study import machines, run_plan
   job = gen.job_entry("j0", "dp", 2, "intra-l1", [0, 1])
-  m, s = machines.parse("testbed"), runner.RunSettings("p", "o")
-  base = runner.proxy_command(job, m, s, "raw", "t", baseline=True)
-  conc = runner.proxy_command(job, m, s, "raw", "t")
+  m, s = machines.parse("testbed"), run_plan.RunSettings("p", "o")
+  base = run_plan.proxy_command(job, m, s, "raw", "t", baseline=True)
+  conc = run_plan.proxy_command(job, m, s, "raw", "t")
   assert "--iters=7" in base and "--warmup=0" in base  # DP: R = 6
   assert "--iters=6" in conc and "--warmup=1" in conc
-  given = runner.proxy_command(job, m, runner.RunSettings("p", "o", iters=8, warmup=2), "raw", "t", baseline=True)
+  given = run_plan.proxy_command(job, m, run_plan.RunSettings("p", "o", iters=8, warmup=2), "raw", "t", baseline=True)
   assert "--iters=8" in given and "--warmup=2" in given
-  assert runner.RunSettings("p", "o").walltime == 200.0
+  assert run_plan.RunSettings("p", "o").walltime == 200.0

@@ -20,7 +20,7 @@ from werkzeug import wrappers
 
 from conftest import run_cli
 from microbench.output import run_folder
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.output.train_log import (HPARAM_METRIC_DESCRIPTIONS, HPARAM_METRICS, HPARAM_NAME_MAX, HPARAMS,
                                          HPARAMS_LEAD, SUMMARY_STEP, TrainLog, markdown_table)
 from test_report import synthetic_records

@@ -22,9 +22,9 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from _trainers import leaf, make_trainer, reference_state, sgd_run  # noqa: E402
-from models import transformer  # noqa: E402
-from models.layers import Execution  # noqa: E402
-from models.optimizer import sgd  # noqa: E402
+from microbench.models import transformer  # noqa: E402
+from microbench.models.layers import Execution  # noqa: E402
+from microbench.models.optimizer import sgd  # noqa: E402
 
 RTOL = 1e-5  # relative to the table gradient's largest entry (measured: docs/measured-figures.md)
 STRATEGIES = {

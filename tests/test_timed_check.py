@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax
 import pytest
 
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.scopes import SCOPES, plan_scopes
-from meshes.topology import Topology
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.scopes import SCOPES, plan_scopes
+from microbench.meshes.topology import Topology
 from microbench.bench import collectives, hlo_check, program
 
 TOPOLOGY = Topology(racks=2, nodes=2, gpus=2)  # scale_up: groups of 2, rack_scale: 4, global: 8

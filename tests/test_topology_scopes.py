@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from meshes.scopes import SCOPES, plan_scopes, scope_groups
-from meshes.topology import Topology, TopologyError, parse_topology, topology_from_hosts
+from microbench.meshes.scopes import SCOPES, plan_scopes, scope_groups
+from microbench.meshes.topology import Topology, TopologyError, parse_topology, topology_from_hosts
 
 
 def test_parse_topology():

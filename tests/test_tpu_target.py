@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from conftest import run_cli
-from meshes import tpu_slice
-from meshes.scopes import plan_scopes
+from microbench.meshes import tpu_slice
+from microbench.meshes.scopes import plan_scopes
 from microbench.bench import collectives, hlo_check, program
 from microbench.fabric import tpu_kinds
 from microbench.hlo import parse
-from microbench.target import tpu_compile_only
+from microbench.aot import tpu_compile
 
-needs_libtpu = pytest.mark.skipif(not tpu_compile_only.libtpu_available(),
+needs_libtpu = pytest.mark.skipif(not tpu_compile.libtpu_available(),
                                   reason="libtpu is not installed: pip install -e '.[tpu-compile]'")
 
 
@@ -66,7 +66,7 @@ def test_unknown_and_non_target_kinds_are_one_line_each():
     ("4x4x4", "v5p", ((4, 4, 4), 1)), ("4x4x8,slices:2", "v5p", ((4, 4, 8), 2)), ("16x16", "v6e", ((16, 16, 1), 1)),
     (" 2 x 2 , slices = 4 ", "v5e", ((2, 2, 1), 4))])
 def test_slice_shapes_parse(text, kind, want):
-  shape = tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
+  shape = tpu_compile.parse_slice(text, tpu_kinds.target(kind))
   assert (shape.dims, shape.slices) == want
 
 
@@ -74,15 +74,15 @@ def test_slice_shapes_parse(text, kind, want):
     ("4x4", "v5p", "3 torus dimensions"), ("4x4x4", "v6e", "2 torus dimensions"), ("nodes:2,gpus:8", "v5p", "e.g. 4x4x4"),
     ("4x0x4", "v5p", "at least 1"), ("4x4,slices:0", "v5e", "at least 1")])
 def test_bad_slices_are_one_line(text, kind, match):
-  with pytest.raises(tpu_compile_only.TargetError, match=match) as e:
-    tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
+  with pytest.raises(tpu_compile.TargetError, match=match) as e:
+    tpu_compile.parse_slice(text, tpu_kinds.target(kind))
   assert "\n" not in str(e.value)
 
 
 def test_without_libtpu_the_target_says_what_to_install(monkeypatch):
-  monkeypatch.setattr(tpu_compile_only, "libtpu_available", lambda: False)
-  with pytest.raises(tpu_compile_only.TargetError, match=r"pip install -e '.\[tpu-compile\]'"):
-    tpu_compile_only.make_target("v5p", None)
+  monkeypatch.setattr(tpu_compile, "libtpu_available", lambda: False)
+  with pytest.raises(tpu_compile.TargetError, match=r"pip install -e '.\[tpu-compile\]'"):
+    tpu_compile.make_target("v5p", None)
 
 
 # ------------------------------------------------------------------------------ slices and scopes from devices
@@ -105,7 +105,7 @@ def _fake_devices(dims, host=(2, 2, 1), slices=1, shuffle=0):
 
 
 def _coords_of(ordered, groups):
-  return [[tuple(ordered[int(p)].coords)[:3] + (tpu_compile_only.slice_of(ordered[int(p)]),) for p in g]
+  return [[tuple(ordered[int(p)].coords)[:3] + (tpu_compile.slice_of(ordered[int(p)]),) for p in g]
           for g in groups]
 
 
@@ -168,7 +168,7 @@ def test_devices_that_are_not_whole_slices_are_refused_in_one_line(mutate, match
 @pytest.mark.parametrize("kind,text", [("v5p", "4x4x4"), ("v5e", "4x4,slices:2"), ("v6e", "16x16"),
                                        ("v5p", "2x4x4,slices:2")])
 def test_scopes_on_libtpus_own_device_lists(kind, text):
-  target = tpu_compile_only.make_target(kind, tpu_compile_only.parse_slice(text, tpu_kinds.target(kind)))
+  target = tpu_compile.make_target(kind, tpu_compile.parse_slice(text, tpu_kinds.target(kind)))
   top, ordered = tpu_slice.slices_from_devices(target.devices)
   assert top.dims == target.shape.dims and top.slices == target.shape.slices
   assert top.host == tuple(tpu_kinds.target(kind).host_shape)  # libtpu's hosts are the kind's VMs

@@ -23,14 +23,14 @@ import pytest  # noqa: E402
 from conftest import ROOT, clean_env  # noqa: E402
 from microbench import train  # noqa: E402
 from microbench.fabric import tpu_kinds  # noqa: E402
-from microbench.target import compile_only, tpu_compile_only  # noqa: E402
-from microbench.train import comm_fingerprint, loop, peaks  # noqa: E402
+from microbench.aot import gpu_compile, tpu_compile  # noqa: E402
+from microbench.train import comm_fingerprint, flops_peaks, loop  # noqa: E402
 from microbench.train.config import DTYPES  # noqa: E402
-from models.optimizer import adamw  # noqa: E402
-from models.train_step import Trainer  # noqa: E402
+from microbench.models.optimizer import adamw  # noqa: E402
+from microbench.models.train_step import Trainer  # noqa: E402
 
 NO_LIBTPU = "libtpu is not installed: pip install -e '.[tpu-compile]'"
-needs_libtpu = pytest.mark.skipif(not tpu_compile_only.libtpu_available(), reason=NO_LIBTPU)
+needs_libtpu = pytest.mark.skipif(not tpu_compile.libtpu_available(), reason=NO_LIBTPU)
 
 
 def _cfg(target: str, topology: str, parallelism: str, batch: int, **kw) -> train.TrainConfig:
@@ -54,21 +54,21 @@ def _layer_bytes(t: Trainer) -> int:
 
 @pytest.fixture(scope="module")
 def v5p_4():
-  if not tpu_compile_only.libtpu_available():
+  if not tpu_compile.libtpu_available():
     pytest.skip(NO_LIBTPU)
   return _compiled("v5p", "2x2x1", "fsdp:4", 4)
 
 
 @pytest.fixture(scope="module")
 def v5p_64():
-  if not tpu_compile_only.libtpu_available():
+  if not tpu_compile.libtpu_available():
     pytest.skip(NO_LIBTPU)
   return _compiled("v5p", "4x4x4", "fsdp:64", 64)
 
 
 @pytest.fixture(scope="module")
 def two_slices():
-  if not tpu_compile_only.libtpu_available():
+  if not tpu_compile.libtpu_available():
     pytest.skip(NO_LIBTPU)
   return _compiled("v5p", "2x2x1,slices:2", "dp:2,fsdp:4", 8)
 
@@ -81,7 +81,7 @@ def check_fit(s: dict, kind: str) -> None:
   m = s["memory"]
   assert s["memory_per_device_bytes"] == m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"]
   assert s["memory_per_device_bytes"] > 0
-  assert s["device_memory_bytes"] == memory and s["mem_fraction"] == compile_only.TPU_MEM_FRACTION == 1.0
+  assert s["device_memory_bytes"] == memory and s["mem_fraction"] == gpu_compile.TPU_MEM_FRACTION == 1.0
   assert s["usable_bytes"] == memory and s["margin_bytes"] == memory - s["memory_per_device_bytes"]
   assert s["fits"] is True and s["fits_whole_device"] is True
 
@@ -268,17 +268,17 @@ def check_tpu_peaks() -> None:
   """Every TPU device kind JAX reports finds its own kind's bf16 peak, whatever the dtype; others none."""
   for device_kind, kind in (("TPU v5", "v5p"), ("TPU v5p", "v5p"), ("TPU v5 lite", "v5e"), ("TPU v6 lite", "v6e")):
     for dtype in ("bfloat16", "float32"):  # float32 matmuls run as bf16 passes on a TPU
-      peak = peaks.table_peak(device_kind, dtype)
+      peak = flops_peaks.table_peak(device_kind, dtype)
       assert peak is not None and peak.tflops == tpu_kinds.target(kind).bf16_tflops, (device_kind, dtype)
       assert tpu_kinds.target(kind).title in peak.source
-  assert peaks.table_peak("TPU v7x", "bfloat16") is None and peaks.table_peak("TPU", "bfloat16") is None
+  assert flops_peaks.table_peak("TPU v7x", "bfloat16") is None and flops_peaks.table_peak("TPU", "bfloat16") is None
 
 
 def test_tpu_device_kinds_find_their_bf16_peak_exactly():
   check_tpu_peaks()
   device = type("Device", (), {"platform": "tpu", "device_kind": "TPU v6 lite"})()
-  assert peaks.device_peak(device, "bfloat16", 4).tflops == tpu_kinds.target("v6e").bf16_tflops
-  unknown = peaks.device_peak(type("Device", (), {"platform": "tpu", "device_kind": "TPU v9"})(), "bfloat16", 4)
+  assert flops_peaks.device_peak(device, "bfloat16", 4).tflops == tpu_kinds.target("v6e").bf16_tflops
+  unknown = flops_peaks.device_peak(type("Device", (), {"platform": "tpu", "device_kind": "TPU v9"})(), "bfloat16", 4)
   assert unknown.tflops is None and "unknown device kind" in unknown.source
 
 
@@ -309,7 +309,7 @@ def test_bad_tpu_requests_are_one_line(args, line):
 
 
 def test_without_libtpu_a_tpu_target_names_the_extra():
-  patch = "from microbench.target import tpu_compile_only as t\nt.libtpu_available = lambda: False"
+  patch = "from microbench.aot import tpu_compile as t\nt.libtpu_available = lambda: False"
   r = _cli(["--target=v5p", "--topology=2x2x1", "--model=llama3", "--size=tiny"], patch)
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
       "microbench-train: error: a TPU --target compiles with XLA:TPU, which needs libtpu: pip install -e '.[tpu-compile]'"
@@ -326,7 +326,7 @@ def tpu_preset_fields(name: str) -> dict:
   """The preset's strategy on 16 v5p chips (its model's full width, degrees, microbatches and schedule) at a
   depth of one scan of two layers per stage, 1024 tokens and the smallest batch its degrees take: the study's
   full shapes do not fit 16 chips' HBM, and XLA:TPU refuses to compile what does not fit."""
-  from meshes import parallelism as par  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import parallelism as par  # pylint: disable=g-import-not-at-top
   from microbench.study import presets  # pylint: disable=g-import-not-at-top
   fields, _ = presets.resolve(name, 16, "tpu", None, {})
   p = par.parse_parallelism(fields["parallelism"])
@@ -353,7 +353,7 @@ def _preset_names() -> list[str]:
 @pytest.fixture(scope="module")
 def tpu_golden(update_golden):
   import json  # pylint: disable=g-import-not-at-top
-  if not tpu_compile_only.libtpu_available():
+  if not tpu_compile.libtpu_available():
     pytest.skip(NO_LIBTPU)
   if update_golden or not os.path.exists(TPU_GOLDEN):
     current = {f"preset {n}": _tpu_preset_fingerprint(n) for n in _preset_names()}

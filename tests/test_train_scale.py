@@ -17,12 +17,12 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from _trainers import FAST, compiled_step, flat, make_trainer, memory, partitioned_hlo  # noqa: E402
-from meshes import parallelism as par  # noqa: E402
+from microbench.meshes import parallelism as par  # noqa: E402
 from microbench import train  # noqa: E402
-from microbench.train import comm_fingerprint, config, peaks  # noqa: E402
-from models import get_model, layers  # noqa: E402
-from models.layers import REMAT_POLICIES, Execution  # noqa: E402
-from models.optimizer import AdamWConfig, sgd  # noqa: E402
+from microbench.train import comm_fingerprint, config, flops_peaks  # noqa: E402
+from microbench.models import get_model, layers  # noqa: E402
+from microbench.models.layers import REMAT_POLICIES, Execution  # noqa: E402
+from microbench.models.optimizer import AdamWConfig, sgd  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------
 # ZeRO-3 FSDP
@@ -247,21 +247,21 @@ def test_cudnn_attention_refused_with_one_line_where_it_cannot_run():
     ("NVIDIA B300 SXM6 AC", 2250.0, 1125.0),
 ])
 def test_peak_table_matches_the_exact_device_kind(kind, bf16, tf32):
-  assert peaks.table_peak(kind, "bfloat16").tflops == bf16
-  assert peaks.table_peak(kind, "float32").tflops == tf32
-  assert "datasheet" in peaks.table_peak(kind, "bfloat16").source or "specifications" in \
-      peaks.table_peak(kind, "bfloat16").source
+  assert flops_peaks.table_peak(kind, "bfloat16").tflops == bf16
+  assert flops_peaks.table_peak(kind, "float32").tflops == tf32
+  assert "datasheet" in flops_peaks.table_peak(kind, "bfloat16").source or "specifications" in \
+      flops_peaks.table_peak(kind, "bfloat16").source
 
 
 def test_unknown_device_kind_gives_no_peak_and_no_mfu():
   for kind in ("NVIDIA H100", "NVIDIA H100 SXM5 94GB", "NVIDIA GeForce RTX 4090", "H200"):
-    assert peaks.table_peak(kind, "bfloat16") is None, kind
-  p = peaks.device_peak(_gpu("NVIDIA H100 SXM5 94GB"), "bfloat16", 8)
+    assert flops_peaks.table_peak(kind, "bfloat16") is None, kind
+  p = flops_peaks.device_peak(_gpu("NVIDIA H100 SXM5 94GB"), "bfloat16", 8)
   assert p.tflops is None and "unknown device kind" in p.source
 
 
 def test_cpu_peak_is_the_median_of_several_calibrations():
-  cal = peaks.calibrate_cpu_matmul("float32", n=256, runs=5, reps=2)
+  cal = flops_peaks.calibrate_cpu_matmul("float32", n=256, runs=5, reps=2)
   assert len(cal["tflops_runs"]) == 5 and cal["median_tflops"] == np.median(cal["tflops_runs"])
   assert cal["spread"] == pytest.approx((max(cal["tflops_runs"]) - min(cal["tflops_runs"])) / cal["median_tflops"])
 
@@ -272,17 +272,17 @@ def test_cpu_peak_is_measured_once_per_machine_and_reused(tmp_path, monkeypatch)
   monkeypatch.setenv("MICROBENCH_PEAK_CACHE", str(tmp_path / "peaks.json"))
   monkeypatch.delenv("MICROBENCH_REMEASURE_PEAK", raising=False)
   calls = []
-  monkeypatch.setattr(peaks, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or {
+  monkeypatch.setattr(flops_peaks, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or {
       "tflops_runs": [1.0 + len(calls), 2.0, 3.0], "median_tflops": 1.0 + len(calls), "spread": 0.5,
       "matmul": "1024^3 " + dtype, "best_of": 3})
   cpu = jax.devices("cpu")[0]
-  first, second = (peaks.device_peak(cpu, "float32", 8) for _ in range(2))
+  first, second = (flops_peaks.device_peak(cpu, "float32", 8) for _ in range(2))
   assert calls == ["float32"] and first.tflops == second.tflops == 2.0 / 8
   assert "measured now" in first.source and "reused" in second.source and "spread 50%" in second.source
   assert json.load(open(tmp_path / "peaks.json"))  # kept with its date
-  assert peaks.device_peak(cpu, "bfloat16", 8).tflops == 3.0 / 8 and calls == ["float32", "bfloat16"]
+  assert flops_peaks.device_peak(cpu, "bfloat16", 8).tflops == 3.0 / 8 and calls == ["float32", "bfloat16"]
   monkeypatch.setenv("MICROBENCH_REMEASURE_PEAK", "1")
-  assert peaks.device_peak(cpu, "float32", 8).tflops == 4.0 / 8 and len(calls) == 3
+  assert flops_peaks.device_peak(cpu, "float32", 8).tflops == 4.0 / 8 and len(calls) == 3
 
 
 def test_an_implausible_cpu_calibration_is_neither_used_nor_kept(tmp_path, monkeypatch):
@@ -292,17 +292,17 @@ def test_an_implausible_cpu_calibration_is_neither_used_nor_kept(tmp_path, monke
   monkeypatch.setenv("MICROBENCH_PEAK_CACHE", str(path))
   monkeypatch.delenv("MICROBENCH_REMEASURE_PEAK", raising=False)
   rates = [815.0, 0.05]
-  monkeypatch.setattr(peaks, "calibrate_cpu_matmul", lambda dtype: {
+  monkeypatch.setattr(flops_peaks, "calibrate_cpu_matmul", lambda dtype: {
       "tflops_runs": [rates[0]], "median_tflops": rates.pop(0), "spread": 0.0, "matmul": "1024^3 " + dtype,
       "best_of": 3})
   cpu = jax.devices("cpu")[0]
-  bad = peaks.device_peak(cpu, "float32", 8)
+  bad = flops_peaks.device_peak(cpu, "float32", 8)
   assert bad.tflops is None and "not kept, no MFU" in bad.source and not path.exists()
-  good = peaks.device_peak(cpu, "float32", 8)
+  good = flops_peaks.device_peak(cpu, "float32", 8)
   assert good.tflops == pytest.approx(0.05 / 8) and path.exists()
   cache = json.loads(path.read_text())
   key = next(iter(cache))
   cache[key]["median_tflops"] = 815.0  # a bad entry from before the check
   path.write_text(json.dumps(cache))
   rates.append(0.06)
-  assert peaks.device_peak(cpu, "float32", 8).tflops == pytest.approx(0.06 / 8)
+  assert flops_peaks.device_peak(cpu, "float32", 8).tflops == pytest.approx(0.06 / 8)

@@ -116,8 +116,8 @@ def _tpu_topology(rng: random.Random, kind: str) -> tuple[str, int]:
 
 def group_sizes_of(backend: str, topology: str) -> dict[str, int]:
   """Each scope's group size on the case's machine (scopes the machine does not have: absent)."""
-  from meshes import tpu_slice  # pylint: disable=g-import-not-at-top
-  from meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import tpu_slice  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
   if backend in TPU_KINDS:
     from microbench.fabric import tpu_kinds  # pylint: disable=g-import-not-at-top
@@ -209,9 +209,9 @@ def _refusal(coll: collectives.Collective, case: Case, n: int, platform: str) ->
 def _mesh_and_plan(case: Case):
   """(mesh, the case's scope plan, platform, target facts) for the case's machine, or raises ValueError with
   a one-line reason (a scope this machine does not have: skipped)."""
-  from meshes import tpu_slice  # pylint: disable=g-import-not-at-top
-  from meshes.mesh import build_mesh, ordered_devices  # pylint: disable=g-import-not-at-top
-  from meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import tpu_slice  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.mesh import build_mesh, ordered_devices  # pylint: disable=g-import-not-at-top
+  from microbench.meshes.scopes import plan_scopes  # pylint: disable=g-import-not-at-top
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
   target = None
   if case.target:
@@ -231,14 +231,14 @@ def _mesh_and_plan(case: Case):
 
 def _config(case: Case, target) -> Any:
   from microbench.bench import sweep  # pylint: disable=g-import-not-at-top
-  from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
+  from microbench.aot import gpu_compile  # pylint: disable=g-import-not-at-top
   tpu = case.backend in TPU_KINDS
   return sweep.SweepConfig(
       collectives=(case.collective,), scopes=(case.scope,), dtypes=(case.dtype,), min_bytes=case.bytes,
       max_bytes=case.bytes, step_factor=2.0, iters=case.iters, warmup=case.warmup, samples=case.samples,
       check=True, sample_s=case.sample_ms / 1e3, target=case.target,
       device_memory=target.memory_bytes if target else None,
-      memory_fraction=compile_only.TPU_MEM_FRACTION if tpu and target else None,
+      memory_fraction=gpu_compile.TPU_MEM_FRACTION if tpu and target else None,
       command_buffer="both" if case.mode == "command_buffer" else "no",
       overlap=4 if case.mode == "overlap" else None)
 

@@ -51,11 +51,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes.scopes import ScopePlan
+from microbench.meshes.scopes import ScopePlan
 from microbench.bench import hlo_check, program
 from microbench.bench.collectives import Collective
 from microbench.hlo import parse
-from microbench.hlo import schedule as hlo_schedule
+from microbench.hlo import async_windows
 
 AUTO = "auto"
 COMPUTE_SCOPE = "microbench_overlap_compute"  # names the matmul's instructions in the HLO
@@ -181,7 +181,7 @@ def dot_executions(hlo_text: str) -> int:
     if name in fused:
       continue
     for ins in filter(None, map(parse.parse_instruction, comp.lines)):
-      if hlo_schedule.runs_dot(ins, comps):
+      if async_windows.runs_dot(ins, comps):
         times = counts.get(name)
         if times is None:
           raise hlo_check.HloMismatch(f"can't count how often the matmul runs: {ins.line.strip()[:160]}")
@@ -210,7 +210,7 @@ def _loop_writes(hlo_text: str) -> int:
   for loop in parse.while_loops(hlo_text, comps):
     bodies |= parse.reachable(hlo_text, loop.body, comps)
   return sum(elements for name, writes in hlo_check.body_writes(hlo_text, comps).items() if name in bodies
-             for elements, ins in writes if not (hlo_schedule.runs_dot(ins, comps) or _MATRIX.search(ins.type_text)))
+             for elements, ins in writes if not (async_windows.runs_dot(ins, comps) or _MATRIX.search(ins.type_text)))
 
 
 def loop(coll: Collective | None, step: Callable, reps: int, carry: tuple) -> tuple:
@@ -295,15 +295,15 @@ def schedule_check(hlo_text: str) -> dict[str, Any]:
   comps = parse.computations(hlo_text)
   fused = _fused_names(comps)
   dots = [(name, ins) for name, comp in comps.items() if name not in fused
-          for ins in filter(None, map(parse.parse_instruction, comp.lines)) if hlo_schedule.runs_dot(ins, comps)]
-  wins = hlo_schedule.windows(hlo_text, comps)
-  inside = {(w.computation, ins.name) for w in wins for ins in w.between if hlo_schedule.runs_dot(ins, comps)}
-  holding = [w for w in wins if any(hlo_schedule.runs_dot(ins, comps) for ins in w.between)]
+          for ins in filter(None, map(parse.parse_instruction, comp.lines)) if async_windows.runs_dot(ins, comps)]
+  wins = async_windows.windows(hlo_text, comps)
+  inside = {(w.computation, ins.name) for w in wins for ins in w.between if async_windows.runs_dot(ins, comps)}
+  holding = [w for w in wins if any(async_windows.runs_dot(ins, comps) for ins in w.between)]
   out: dict[str, Any] = {"overlap_windows": [len(holding), len(wins)],
                          "overlap_hlo": _order_lines(comps, wins, dots)}
   if not dots:
     return {**out, "overlap_scheduled": False, "overlap_schedule": "no matmul in the compiled program"}
-  if not hlo_schedule.is_scheduled(hlo_text):
+  if not async_windows.is_scheduled(hlo_text):
     return {**out, "overlap_scheduled": False,
             "overlap_schedule": "the module is not scheduled (no is_scheduled=true): its order says nothing"}
   if not wins:
@@ -325,11 +325,11 @@ def schedule_check(hlo_text: str) -> dict[str, Any]:
 _SHOWN = {f"{op}{sfx}" for op in parse.OPS for sfx in ("", "-start", "-done")} | {"async-start", "async-done"}
 
 
-def _order_lines(comps, wins: list[hlo_schedule.Window], dots) -> list[str]:
+def _order_lines(comps, wins: list[async_windows.Window], dots) -> list[str]:
   """The scheduled order of the computation holding the first window (or the first matmul): each start, done
   and matmul as `%name = opcode`, in order."""
   def shown(ins: parse.Instr) -> bool:
-    return ins.opcode in _SHOWN or hlo_schedule.runs_dot(ins, comps)
+    return ins.opcode in _SHOWN or async_windows.runs_dot(ins, comps)
 
   where = wins[0].computation if wins else next(
       (c for c, _ in dots if any(ins.opcode in parse.OPS for ins in filter(None, map(parse.parse_instruction,
@@ -340,7 +340,7 @@ def _order_lines(comps, wins: list[hlo_schedule.Window], dots) -> list[str]:
   lines = []
   for ins in filter(None, map(parse.parse_instruction, comps[where].lines)):
     if shown(ins):
-      kind = " (matmul)" if hlo_schedule.runs_dot(ins, comps) else ""
+      kind = " (matmul)" if async_windows.runs_dot(ins, comps) else ""
       lines.append(f"%{ins.name} = {ins.opcode}{kind}")
   return lines
 
@@ -461,11 +461,11 @@ def compiled_facts(spec: int | str, coll: Collective, mesh: jax.sharding.Mesh, p
                    dtype: str, long: program.Compiled) -> dict[str, Any]:
   """A point compiled for a GPU target (nothing runs): the both arm at the long arm's k, its checks, its
   schedule and memory. AUTO compiles D = TARGET_DIM (no time to size from)."""
-  from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
+  from microbench.aot import gpu_compile  # pylint: disable=g-import-not-at-top
   dim = TARGET_DIM if spec == AUTO else int(spec)
   both = build_both(coll, mesh, plan, count, dtype, dim, long.reps, long, digest=False)  # nothing runs: no twin
   out = {"overlap_mode": "auto" if spec == AUTO else "given", "overlap_dim": dim, "overlap_flops": 2 * dim ** 3,
-         "overlap_compute_dtype": compute_dtype(dtype), "overlap_memory": compile_only.memory(both.fn),
+         "overlap_compute_dtype": compute_dtype(dtype), "overlap_memory": gpu_compile.memory(both.fn),
          **schedule_check(both.hlo_text)}
   out["overlap_sizing"] = (f"--target times nothing: auto compiled a [{dim} x {dim}] matmul (--overlap=N for another)"
                            if spec == AUTO else f"given: D = {dim}")

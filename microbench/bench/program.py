@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes.scopes import ScopePlan
+from microbench.meshes.scopes import ScopePlan
 from microbench.bench import command_buffer as cmdbuf
 from microbench.bench import device_inputs, hlo_check, known_inputs
 from microbench.bench import collectives

@@ -12,18 +12,19 @@ from typing import Any
 
 from absl import app, flags
 
-from meshes.scopes import plan_scopes
-from meshes.topology import Topology, TopologyError
+from microbench.meshes.scopes import plan_scopes
+from microbench.meshes.topology import Topology, TopologyError
 from microbench.bench import command_buffer, sizes, sweep, tpu_peaks
 from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
 from microbench.fabric import expected
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.cluster.watchdog import Watchdog
 from microbench.output import run_folder, table
 from microbench.report import alpha_beta, nccl_log
 from microbench.fabric import tpu_kinds
-from microbench.target import compile_cache, compile_only, tpu_compile_only
+from microbench.bench import compile_cache
+from microbench.aot import gpu_compile, tpu_compile
 
 # Per device a point holds the known inputs, the check's output, then the loop carry and the body's
 # temporary (all-gather: its input shard too): about 4 S at the peak.
@@ -98,11 +99,11 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   if cfg.target:  # compile-only devices of a GPU kind: nothing runs, no processes to join
     try:
       topology, target, mesh, note = machine.resolve_target(cfg.target, topology, nodes_per_rack)
-    except (TopologyError, compile_only.TargetError, compile_only.KindError, tpu_compile_only.TargetError,
+    except (TopologyError, gpu_compile.TargetError, gpu_compile.KindError, tpu_compile.TargetError,
             tpu_kinds.KindError) as e:
       raise app.UsageError(str(e)) from None
     cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes,
-                              memory_fraction=compile_only.TPU_MEM_FRACTION if tpu else None)
+                              memory_fraction=gpu_compile.TPU_MEM_FRACTION if tpu else None)
     capture_nccl = False  # nothing runs, no communicator starts
     emulated, hosts = False, [f"compile-only-host-{i}" for i in range(target.hosts)]
     import jax  # pylint: disable=g-import-not-at-top
@@ -249,7 +250,7 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   compiled = [r for r in everything if r["status"] == "compiled"]
   if target:
     too_big = [r for r in compiled if r.get("fits") is False]
-    usable = ("the whole" if tpu else f"the {compile_only.mem_fraction():.0%} of")
+    usable = ("the whole" if tpu else f"the {gpu_compile.mem_fraction():.0%} of")
     why = "XLA:TPU's allocator has all of it" if tpu else "XLA_PYTHON_CLIENT_MEM_FRACTION"
     checked = "every one's HLO check passed" if not errors else f"{len(errors)} more failed their HLO check"
     out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, {checked} on"

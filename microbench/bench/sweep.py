@@ -16,16 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshes.scopes import ScopePlan
+from microbench.meshes.scopes import ScopePlan
 from microbench.bench import collectives, command_buffer, hlo_check, overlap, program, tpu_peaks
 from microbench.bench.sizes import round_count, sweep
 from microbench.cluster import distributed
 from microbench.fabric import expected as fabric_expected
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.cluster.watchdog import Watchdog, deadline
 from microbench.output import rank_times, run_folder, table
 from microbench.output.run_folder import point_keys
-from microbench.target import compile_only
+from microbench.aot import gpu_compile
 
 
 class JobFailed(RuntimeError):
@@ -61,7 +61,7 @@ class SweepConfig:
   inject_hang: tuple[int, int] | None = None     # (rank, point index): a rank stuck in point index+1
   target: str | None = None        # --target: compile for this GPU kind's compile-only devices, run nothing
   device_memory: int | None = None  # bytes per device of the target (what a compiled point must fit in)
-  memory_fraction: float | None = None  # the share of it JAX uses (None: a GPU's, compile_only.mem_fraction())
+  memory_fraction: float | None = None  # the share of it JAX uses (None: a GPU's, gpu_compile.mem_fraction())
   profile_points: tuple[int, ...] = ()  # --profile_points: point numbers (as printed, from 1) to trace
   profile_dir: str | None = None    # where the traces go (the run folder: TensorBoard's Profile tab)
   keep_going: bool = False  # --keep_going: a failed point is recorded and the sweep goes on (else it stops)
@@ -419,7 +419,7 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
   for name, prog in programs.items():
     if prog is None:
       continue
-    mem = compile_only.memory(prog.fn)
+    mem = gpu_compile.memory(prog.fn)
     facts[name] = {**prog.verified.facts(), "reps": prog.reps, "memory": mem}
     peak = max(peak, mem["total_bytes"] if mem else 0)
   n = point.scope.group_size
@@ -433,7 +433,7 @@ def compiled_record(cfg: SweepConfig, rec: dict[str, Any], point: program.Point,
     out.update(iters=long.reps, short_iters=short.reps, trip_count=max(long.verified.trip_counts, default=None),
                loop_reps=long.verified.in_loop)
   if cfg.device_memory:
-    out.update(compile_only.fit(peak, cfg.device_memory, cfg.memory_fraction))
+    out.update(gpu_compile.fit(peak, cfg.device_memory, cfg.memory_fraction))
   return out
 
 

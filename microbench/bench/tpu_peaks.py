@@ -1,9 +1,9 @@
 """The bus bandwidth a TPU pod's links allow a collective over a scope: busbw's denominator on TPUs.
 
-A GPU scope crosses fabric levels with one link each (microbench.fabric.peaks); a TPU scope runs on a torus,
+A GPU scope crosses fabric levels with one link each (microbench.fabric.link_peaks); a TPU scope runs on a torus,
 where what the links allow depends on which dimensions the group spans, whether they wrap around, and whether
 it crosses slices over the data-center network. The torus model (microbench.fabric.torus) gives that bound:
-its prediction for a very large message without latency, for the group each scope of `meshes.tpu_slice` forms
+its prediction for a very large message without latency, for the group each scope of `microbench.meshes.tpu_slice` forms
 (a host's block, one dimension's ring, the whole slice, the same chip across slices, or all of them).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from meshes import tpu_slice
+from microbench.meshes import tpu_slice
 from microbench.fabric import torus, tpu_kinds
 
 # scope -> the torus group it forms (torus.group's spec; `host` is a slice of one host's block)

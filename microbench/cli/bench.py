@@ -11,14 +11,14 @@ import sys
 
 from absl import app, flags
 
-from meshes import tpu_slice
-from meshes.scopes import SCOPES
+from microbench.meshes import tpu_slice
+from microbench.meshes.scopes import SCOPES
 from microbench.bench import collectives, command_buffer, overlap, reduce_ops, run as bench_run, sizes, sweep
 from microbench.bench.program import DTYPES
-from microbench.cli import cluster_flags, runner
+from microbench.cli import absl_app, cluster_flags
 from microbench.cluster import machine
 from microbench.fabric import description as fabric_description
-from microbench.fabric import peaks as link_peaks
+from microbench.fabric import link_peaks
 from microbench.fabric import tpu_kinds
 from microbench.output import run_folder
 
@@ -272,4 +272,4 @@ def _load_resumed_flags(outdir: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run(main, "microbench", [__name__, cluster_flags.__name__])
+  absl_app.run(main, "microbench", [__name__, cluster_flags.__name__])

@@ -15,9 +15,9 @@ import sys
 
 from absl import app, flags
 
-from microbench.cli import cluster_flags, runner
+from microbench.cli import absl_app, cluster_flags
 from microbench.bench import sizes
-from microbench.doctor import diagnose, doctor, report, schedule
+from microbench.doctor import diagnose, pair_rounds, survey, verdict
 from microbench.fabric import description as fd
 
 FLAGS = flags.FLAGS
@@ -28,9 +28,9 @@ flags.DEFINE_string("fabric", None, "The machine the expectation comes from: a d
 flags.DEFINE_string("out", None, "Output folder for doctor.json and doctor.txt. Default: runs/doctor_<UTC time>.")
 flags.DEFINE_float("threshold", diagnose.THRESHOLD, "A test is slow at this many times its reference (the model's"
                    " expectation scaled by the fleet's typical ratio to it, or the fleet's typical time).")
-flags.DEFINE_integer("survey_rounds", schedule.SURVEY_ROUNDS, "Round-robin rounds of disjoint pairs (fewer when a"
+flags.DEFINE_integer("survey_rounds", pair_rounds.SURVEY_ROUNDS, "Round-robin rounds of disjoint pairs (fewer when a"
                      " full round robin is shorter).", lower_bound=1)
-flags.DEFINE_integer("confirm_rounds", doctor.CONFIRM_ROUNDS, "Most confirmation rounds on the suspects.",
+flags.DEFINE_integer("confirm_rounds", survey.CONFIRM_ROUNDS, "Most confirmation rounds on the suspects.",
                      lower_bound=0)
 flags.DEFINE_string("p2p_bytes", "auto", "Bytes each rank sends in the point-to-point swap; auto: 1M, or 10 ms at"
                     " the fabric's NIC rate where that is more (bandwidth-bound: 128M on 12.5 GB/s NICs).")
@@ -57,7 +57,7 @@ def say(msg: str) -> None:
   print(f"{NAME}: {msg}", file=sys.stderr, flush=True)
 
 
-def _settings() -> doctor.Settings:
+def _settings() -> survey.Settings:
   sized = []
   for kind in ("p2p", "all_reduce", "scale_up"):
     text = FLAGS[f"{kind}_bytes"].value
@@ -74,7 +74,7 @@ def _settings() -> doctor.Settings:
     raise app.UsageError(f"{', '.join(bad)} must be at least 4 bytes (one float32)")
   if not FLAGS.threshold > 1:
     raise app.UsageError(f"--threshold={FLAGS.threshold} must be > 1 (a test this many times its reference is slow)")
-  return doctor.Settings(threshold=FLAGS.threshold, survey_rounds=FLAGS.survey_rounds,
+  return survey.Settings(threshold=FLAGS.threshold, survey_rounds=FLAGS.survey_rounds,
                          confirm_rounds=FLAGS.confirm_rounds, sizes=sized)
 
 
@@ -87,7 +87,7 @@ def _fabric() -> fd.Fabric | None:
     raise app.UsageError(str(e)) from None
 
 
-def _simulate(settings: doctor.Settings) -> int:
+def _simulate(settings: survey.Settings) -> int:
   from microbench.doctor import fleet as fleet_mod, simulate  # pylint: disable=g-import-not-at-top
   fab = _fabric()
   per = FLAGS.nodes_per_rack or (fab.nodes_per_leaf if fab else FLAGS.simulate)
@@ -102,19 +102,19 @@ def _simulate(settings: doctor.Settings) -> int:
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   sim = simulate.SimulatedFleet(fleet, faults, noise=FLAGS.noise, seed=FLAGS.seed, sizes=dict(settings.sizes))
-  outcome = doctor.run(fleet, sim.measure, settings)
+  outcome = survey.run(fleet, sim.measure, settings)
   outcome.notes.append(f"simulated: {len(faults)} planted fault(s) ({', '.join(faults) or 'none'}), noise"
                        f" {FLAGS.noise:g}, seed {FLAGS.seed}; a full round robin would take"
-                       f" {schedule.full_round_count(fleet.nodes)} rounds")
-  doc = report.to_json(fleet, outcome, dict(settings.sizes), dict(threshold=settings.threshold,
+                       f" {pair_rounds.full_round_count(fleet.nodes)} rounds")
+  doc = verdict.to_json(fleet, outcome, dict(settings.sizes), dict(threshold=settings.threshold,
                        survey_rounds=settings.survey_rounds, confirm_rounds=settings.confirm_rounds, simulated=True))
   if FLAGS.out:
     try:
-      report.write(FLAGS.out, doc)
+      verdict.write(FLAGS.out, doc)
     except OSError as e:
       raise app.UsageError(f"cannot write --out={FLAGS.out}: {e.strerror}") from None
-  print(report.table(doc), end="")
-  return report.exit_status(outcome)
+  print(verdict.table(doc), end="")
+  return verdict.exit_status(outcome)
 
 
 def main(argv: list[str]) -> int:
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run(main, NAME, [__name__, cluster_flags.__name__])
+  absl_app.run(main, NAME, [__name__, cluster_flags.__name__])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import tempfile
 
 from absl import app, flags
 
-from microbench.cli import runner
+from microbench.cli import absl_app
 from microbench.cluster import launch
 
 FLAGS = flags.FLAGS
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run_with_command(main, _COMMAND, NAME, __name__)
+  absl_app.run_with_command(main, _COMMAND, NAME, __name__)
 
 
 if __name__ == "__main__":

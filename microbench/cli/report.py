@@ -10,7 +10,7 @@ import sys
 from absl import app, flags
 
 from microbench.bench import sizes
-from microbench.cli import runner
+from microbench.cli import absl_app
 
 FLAGS = flags.FLAGS
 
@@ -66,7 +66,7 @@ def _fit_from(fab, run_dir: str):
 
 def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
   """`--fabric`: predictions from the fabric's description alone (no run folder is read)."""
-  from microbench.fabric import collectives as fc  # pylint: disable=g-import-not-at-top
+  from microbench.fabric import collective_model as fc  # pylint: disable=g-import-not-at-top
   from microbench.fabric import description as fd  # pylint: disable=g-import-not-at-top
   from microbench.report import fabric_tables, tables  # pylint: disable=g-import-not-at-top
   if paths:
@@ -214,7 +214,7 @@ def _beside_nccl_tests(records: list, theirs: list, out: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run(main, "microbench-report", [__name__])
+  absl_app.run(main, "microbench-report", [__name__])
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import sys
 
 from absl import app, flags
 
-from microbench.cli import cluster_flags, runner
+from microbench.cli import absl_app, cluster_flags
 from microbench.study import workloads  # JAX-free: the GPU names for --gpu's help
 
 FLAGS = flags.FLAGS
@@ -151,7 +151,7 @@ def say(msg: str) -> None:
 def _schedule(gpus: int, devices=None):
   """The job's schedule (hand-written, derived from --proxy_from, a congestor or a point) and its unscaled
   version."""
-  from microbench.study import congestors, predict, schedules, workloads  # pylint: disable=g-import-not-at-top
+  from microbench.study import congestors, predict, rank_programs, workloads  # pylint: disable=g-import-not-at-top
   if FLAGS.congestor or FLAGS.point:
     if FLAGS.congestor and FLAGS.point or FLAGS.proxy_from:
       raise app.UsageError("--congestor, --point and --proxy_from each choose the proxy's schedule: give one")
@@ -167,11 +167,11 @@ def _schedule(gpus: int, devices=None):
     return job, None
   try:
     if FLAGS.proxy_from:
-      from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
-      full = hlo_schedule.derive(FLAGS.proxy_from, gpus, gpu=_roofline_gpu(), batch=FLAGS.batch, seq_len=FLAGS.seq_len,
-                                 layers=FLAGS.layers, devices=devices)
+      from microbench.study import step_collectives  # pylint: disable=g-import-not-at-top
+      full = step_collectives.derive(FLAGS.proxy_from, gpus, gpu=_roofline_gpu(), batch=FLAGS.batch,
+                                    seq_len=FLAGS.seq_len, layers=FLAGS.layers, devices=devices)
     else:
-      full = schedules.build(FLAGS.strategy, gpus, FLAGS.gpu, FLAGS.model)
+      full = rank_programs.build(FLAGS.strategy, gpus, FLAGS.gpu, FLAGS.model)
   except (workloads.WorkloadError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   return full.scaled(FLAGS.bytes_scale, FLAGS.compute_scale), full
@@ -220,23 +220,23 @@ def _target_devices(kind: str, gpus: int) -> list:
   """`gpus` compile-only devices of GPU kind `kind`, in hosts of the kind's usual node size; for a TPU kind,
   `gpus` chips as the most cube-like slice its hosts tile (64 v5p chips: 4x4x4), in the pod's mesh order."""
   from microbench.fabric import gpu_kinds  # pylint: disable=g-import-not-at-top
-  from microbench.target import compile_only  # pylint: disable=g-import-not-at-top
+  from microbench.aot import gpu_compile  # pylint: disable=g-import-not-at-top
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
   if machine.is_tpu_target(kind):
-    from meshes import tpu_slice  # pylint: disable=g-import-not-at-top
+    from microbench.meshes import tpu_slice  # pylint: disable=g-import-not-at-top
     from microbench.fabric import tpu_kinds  # pylint: disable=g-import-not-at-top
-    from microbench.target import tpu_compile_only  # pylint: disable=g-import-not-at-top
+    from microbench.aot import tpu_compile  # pylint: disable=g-import-not-at-top
     try:
-      target = tpu_compile_only.make_target(kind, tpu_compile_only.slice_for(tpu_kinds.target(kind), gpus))
+      target = tpu_compile.make_target(kind, tpu_compile.slice_for(tpu_kinds.target(kind), gpus))
       return tpu_slice.slices_from_devices(target.devices)[1]
-    except (tpu_compile_only.TargetError, tpu_kinds.KindError, tpu_slice.SliceError) as e:
+    except (tpu_compile.TargetError, tpu_kinds.KindError, tpu_slice.SliceError) as e:
       raise app.UsageError(str(e)) from None
   try:
     per_host = min(gpus, gpu_kinds.target(kind).gpus_per_node)
     if gpus % per_host:
       raise app.UsageError(f"--gpus={gpus} is not a whole number of {kind} nodes of {per_host} GPUs")
-    return list(compile_only.make_target(kind, gpus // per_host, per_host).devices)
-  except (compile_only.TargetError, compile_only.KindError) as e:
+    return list(gpu_compile.make_target(kind, gpus // per_host, per_host).devices)
+  except (gpu_compile.TargetError, gpu_compile.KindError) as e:
     raise app.UsageError(str(e)) from None
 
 
@@ -244,7 +244,7 @@ def _schedule_report() -> int:
   """Bytes per iteration of a proxy (and, with --proxy_from, of the hand-written one for the same strategy,
   with the difference), without running anything; --proxy_from compiles the step on virtual CPU devices, or
   with --target for that GPU kind's compile-only devices (XLA:GPU's HLO: what the GPUs would move)."""
-  from microbench.study import schedules, workloads  # pylint: disable=g-import-not-at-top
+  from microbench.study import rank_programs, workloads  # pylint: disable=g-import-not-at-top
   gpus = FLAGS.gpus or 8
   devices = None
   if FLAGS.target:
@@ -256,7 +256,7 @@ def _schedule_report() -> int:
                            " target's own GPU; drop --gpu (or give the same kind)")
     devices = _target_devices(FLAGS.target, gpus)
   elif FLAGS.proxy_from:
-    from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+    from microbench.meshes.topology import Topology  # pylint: disable=g-import-not-at-top
     from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
     machine.prepare_cpu_devices(Topology(1, 1, gpus), False)
     import jax  # pylint: disable=g-import-not-at-top
@@ -269,20 +269,20 @@ def _schedule_report() -> int:
   def describe(job) -> dict:
     rows = []
     for r in sorted({0, gpus - 1}):
-      per = schedules.bytes_per_iteration(job, r)
+      per = rank_programs.bytes_per_iteration(job, r)
       rows.append({"rank": r, "bytes_per_iteration": per, "total_bytes": sum(per.values()),
-                   "compute_s": schedules.compute_seconds(job, r)})
+                   "compute_s": rank_programs.compute_seconds(job, r)})
     return {"schedule": job.name, "gpus": gpus, "meta": job.meta, "ranks": rows}
   out = {"proxy": describe(full)}
   if FLAGS.proxy_from:
-    from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
-    strategy = hlo_schedule.parse_proxy_from(FLAGS.proxy_from)[2]
+    from microbench.study import step_collectives  # pylint: disable=g-import-not-at-top
+    strategy = step_collectives.parse_proxy_from(FLAGS.proxy_from)[2]
     try:
-      hand = schedules.build(strategy, gpus, FLAGS.gpu, FLAGS.model)
+      hand = rank_programs.build(strategy, gpus, FLAGS.gpu, FLAGS.model)
     except workloads.WorkloadError as e:
       raise app.UsageError(str(e)) from None
     out["hand_written"] = describe(hand)
-    out["comparison"] = hlo_schedule.compare(hand, full)
+    out["comparison"] = step_collectives.compare(hand, full)
     out["comparison"]["derived"].pop("meta")
   print(json.dumps(out, indent=1, default=str))
   return 0
@@ -389,13 +389,13 @@ def _as_experiment(machine, e: dict) -> dict:
 
 def _use_derived(experiments: list[dict]) -> None:
   """--derive: jobs of the named strategies get `proxy_from` (their model becomes the training model's)."""
-  from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top
-  from models import ModelError, get_model  # pylint: disable=g-import-not-at-top
+  from microbench.study import step_collectives  # pylint: disable=g-import-not-at-top
+  from microbench.models import ModelError, get_model  # pylint: disable=g-import-not-at-top
   mapping = {}
   for item in FLAGS.derive:
     strategy, eq, model = item.partition("=")
     try:
-      family, size, strategy = hlo_schedule.parse_proxy_from(f"{model},{strategy}")
+      family, size, strategy = step_collectives.parse_proxy_from(f"{model},{strategy}")
       get_model(family, size)
     except (ValueError, ModelError) as e:
       raise app.UsageError(f"--derive={item}: {e}" if eq else f"--derive={item}: want STRATEGY=MODEL") from None
@@ -404,7 +404,7 @@ def _use_derived(experiments: list[dict]) -> None:
     for job in e["jobs"]:
       if job["strategy"] in mapping:
         try:
-          hlo_schedule.training_parallelism(job["strategy"], job["gpus"])
+          step_collectives.training_parallelism(job["strategy"], job["gpus"])
         except ValueError as err:
           raise app.UsageError(str(err)) from None
         job["model"] = mapping[job["strategy"]]
@@ -452,25 +452,25 @@ def _on_backend(machine, work, interrupted: str, errors: tuple = ()) -> tuple[in
 
 
 def _run() -> int:
-  from microbench.study import runner  # pylint: disable=g-import-not-at-top
+  from microbench.study import run_plan  # pylint: disable=g-import-not-at-top
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required")
-  s = runner.RunSettings(
+  s = run_plan.RunSettings(
       plan_dir=FLAGS.plan, out_dir=FLAGS.out, backend=FLAGS.backend, compute=FLAGS.compute,
       compute_scale=FLAGS.compute_scale, bytes_scale=FLAGS.bytes_scale, iters=FLAGS.iters, warmup=FLAGS.warmup,
       baseline_repeats=FLAGS.baseline_repeats,
-      small_job_threshold=runner.ALL_SMALL if FLAGS.small_job_threshold is None else FLAGS.small_job_threshold,
+      small_job_threshold=run_plan.ALL_SMALL if FLAGS.small_job_threshold is None else FLAGS.small_job_threshold,
       walltime=FLAGS.walltime if FLAGS["walltime"].present else 200.0, grace=FLAGS.grace,
       max_failures=FLAGS.max_failures, dtype=FLAGS.proxy_dtype,
       experiments=tuple(FLAGS.experiments or ()), baselines=FLAGS.baselines)
   try:
-    _, experiments, machine = runner.prepare(s, FLAGS.resume)
+    _, experiments, machine = run_plan.prepare(s, FLAGS.resume)
     unknown = set(s.experiments) - {e["id"] for e in experiments}
     if unknown:
       raise app.UsageError(f"--experiments: {', '.join(sorted(unknown))} not in the plan")
-  except runner.RunError as e:
+  except run_plan.RunError as e:
     raise app.UsageError(str(e)) from None
-  rc, records = _on_backend(machine, lambda backend: runner.run(s, backend, machine, experiments, say=say),
+  rc, records = _on_backend(machine, lambda backend: run_plan.run(s, backend, machine, experiments, say=say),
                             f"; `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
   if rc:
     return rc
@@ -482,13 +482,13 @@ def _run() -> int:
 
 
 def _predict() -> int:
-  from microbench.study import machines, predict, runner  # pylint: disable=g-import-not-at-top
+  from microbench.study import machines, predict, run_plan  # pylint: disable=g-import-not-at-top
   if not FLAGS.plan or not FLAGS.out:
     raise app.UsageError("--plan=PLAN_FOLDER and --out=RESULTS_FOLDER are required (the folder `run` fills)")
   try:
     pred = predict.predict(FLAGS.plan, FLAGS.bytes_scale, FLAGS.compute_scale, FLAGS.proxy_dtype,
                            call_us=FLAGS.call_us, fit_from=FLAGS.fit_from, say=say)
-  except (runner.RunError, machines.MachineError, ValueError) as e:
+  except (run_plan.RunError, machines.MachineError, ValueError) as e:
     raise app.UsageError(str(e)) from None
   path = predict.write(FLAGS.out, pred)
   print("\n".join(predict.table(pred)))
@@ -538,12 +538,12 @@ def _gpcnet() -> int:
 
 
 def _report() -> int:
-  from microbench.study import report, runner  # pylint: disable=g-import-not-at-top
+  from microbench.study import run_plan, sigma_report  # pylint: disable=g-import-not-at-top
   if not FLAGS.results:
     raise app.UsageError("--results=RESULTS_FOLDER is required")
-  if not os.path.exists(os.path.join(FLAGS.results, runner.UNITS_FILE)):
+  if not os.path.exists(os.path.join(FLAGS.results, run_plan.UNITS_FILE)):
     raise app.UsageError(f"{FLAGS.results} holds no finished unit (no units.jsonl): run the study first")
-  out = report.build(FLAGS.results, FLAGS.report_dir, FLAGS.drop_first, FLAGS.plots, say=say)
+  out = sigma_report.build(FLAGS.results, FLAGS.report_dir, FLAGS.drop_first, FLAGS.plots, say=say)
   print(out["markdown"])
   return 0
 
@@ -560,7 +560,7 @@ def main(argv: list[str]) -> int:
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run(main, NAME, [__name__, cluster_flags.__name__])
+  absl_app.run(main, NAME, [__name__, cluster_flags.__name__])
 
 
 if __name__ == "__main__":

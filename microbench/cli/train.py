@@ -7,11 +7,11 @@ import logging
 
 from absl import app, flags
 
-from microbench.cli import cluster_flags, runner
+from microbench.cli import absl_app, cluster_flags
 from microbench.cluster import distributed
 from microbench.study import presets
-from models import FAMILIES
-from models.layers import REMAT_POLICIES
+from microbench.models import FAMILIES
+from microbench.models.layers import REMAT_POLICIES
 
 FLAGS = flags.FLAGS
 # Registered under the library's name (cli_runner makes --help list them).
@@ -143,7 +143,7 @@ def _with_preset(cfg):
 
 def run() -> None:
   """Console-script entry point."""
-  runner.run(main, "microbench-train", ["microbench.train", cluster_flags.__name__])
+  absl_app.run(main, "microbench-train", ["microbench.train", cluster_flags.__name__])
 
 
 if __name__ == "__main__":

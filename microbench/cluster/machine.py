@@ -7,11 +7,11 @@ from typing import Any
 
 import numpy as np
 
-from meshes import tpu_slice
-from meshes.mesh import build_mesh, ordered_devices
-from meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
+from microbench.meshes import tpu_slice
+from microbench.meshes.mesh import build_mesh, ordered_devices
+from microbench.meshes.topology import Topology, TopologyError, check_matches, parse_topology, topology_from_hosts
 from microbench.fabric import gpu_kinds, tpu_kinds
-from microbench.target import compile_only, tpu_compile_only
+from microbench.aot import gpu_compile, tpu_compile
 
 DEFAULT_CPU_DEVICES = 8
 
@@ -49,7 +49,7 @@ def device_memory(device) -> int | None:
 
 def resolve(topology: Topology | None, nodes_per_rack: int | None) -> tuple[Topology, Any, str]:
   """The run's topology, its mesh and a note on where the topology came from. On TPUs the machine is what the
-  chips say of themselves (torus coordinates, slice, host): `meshes.tpu_slice`."""
+  chips say of themselves (torus coordinates, slice, host): `microbench.meshes.tpu_slice`."""
   import jax  # pylint: disable=g-import-not-at-top
   from microbench.cluster.distributed import process_hosts  # pylint: disable=g-import-not-at-top
 
@@ -95,13 +95,13 @@ def parse_target_topology(kind: str | None, text: str | None):
     return None
   if is_tpu_target(kind):
     try:
-      return tpu_compile_only.parse_slice(text, tpu_kinds.target(kind))
-    except tpu_compile_only.TargetError as e:
+      return tpu_compile.parse_slice(text, tpu_kinds.target(kind))
+    except tpu_compile.TargetError as e:
       raise TopologyError(str(e)) from None
   return parse_topology(text)
 
 
-def resolve_tpu_target(kind: str, shape: tpu_compile_only.SliceShape | None, nodes_per_rack: int | None):
+def resolve_tpu_target(kind: str, shape: tpu_compile.SliceShape | None, nodes_per_rack: int | None):
   """(slices, target, mesh, note) for libtpu's compile-only chips of TPU kind `kind` in `shape` (default: one
   host's chips). Raises TopologyError, TargetError or KindError with a one-line message."""
   spec = tpu_kinds.target(kind)
@@ -110,7 +110,7 @@ def resolve_tpu_target(kind: str, shape: tpu_compile_only.SliceShape | None, nod
   note = (f"TPU slice {shape} from --topology" if shape else
           f"one host's {spec.title} chips ({'x'.join(map(str, spec.host_shape[:spec.torus_dims]))}; set --topology,"
           f" e.g. {'4x4x4' if spec.torus_dims == 3 else '4x4'},slices:2, to change)")
-  target = tpu_compile_only.make_target(kind, shape)
+  target = tpu_compile.make_target(kind, shape)
   try:
     slices, ordered = tpu_slice.slices_from_devices(target.devices)
   except tpu_slice.SliceError as e:
@@ -136,7 +136,7 @@ def resolve_target(kind: str, topology, nodes_per_rack: int | None):
   if nodes_per_rack:
     topology = Topology(racks=topology.total_nodes // nodes_per_rack, nodes=nodes_per_rack, gpus=topology.gpus)
   check_kind_shape(spec, topology)
-  target = compile_only.make_target(kind, topology.total_nodes, topology.gpus)
+  target = gpu_compile.make_target(kind, topology.total_nodes, topology.gpus)
   return topology, target, build_mesh(topology, list(target.devices)), note
 
 

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from microbench.fabric import collectives as fcoll
+from microbench.fabric import collective_model as fcoll
 from microbench.fabric import flows
 from microbench.fabric.description import Fabric
 

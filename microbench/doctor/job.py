@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from microbench.cluster import distributed
 from microbench.cluster import testbed as tbm
-from microbench.doctor import doctor, report
+from microbench.doctor import survey, verdict
 from microbench.doctor.fleet import Fleet, auto_p2p_bytes, racks_from_fabric, rails_for
 from microbench.fabric import description as fd
 from microbench.fabric import rates
@@ -70,9 +70,9 @@ def build_fleet(hosts: list[str], local_devices: int, fabric: fd.Fabric | None,
   return Fleet(tuple(hosts), racks, rails, local_devices, fabric), notes
 
 
-def run(settings: distributed.Settings, doctor_settings: doctor.Settings, plan_samples: dict, fabric_spec: str | None,
+def run(settings: distributed.Settings, doctor_settings: survey.Settings, plan_samples: dict, fabric_spec: str | None,
         nodes_per_rack: int | None, out_dir: str, say: Callable[[str], None]) -> int:
-  """The whole job; returns the exit status (report.exit_status). JobError for a job it cannot diagnose."""
+  """The whole job; returns the exit status (verdict.exit_status). JobError for a job it cannot diagnose."""
   distributed.initialize(settings)
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
@@ -95,19 +95,19 @@ def run(settings: distributed.Settings, doctor_settings: doctor.Settings, plan_s
                            sizes=tuple(sizes.items()))
   plan = measure.Plan(sizes=dict(ds.sizes), **plan_samples)
   me = jax.process_index()
-  outcome = doctor.run(fleet, lambda tests: measure.run_group(tests, plan), ds,
+  outcome = survey.run(fleet, lambda tests: measure.run_group(tests, plan), ds,
                        say=say if me == 0 else (lambda s: None))
   outcome.notes[:0] = notes
   for line in measure.WRONG:
     say(f"WRONG RESULT on process {me}: {line}")
-  status = report.exit_status(outcome)
+  status = verdict.exit_status(outcome)
   problem = None
   if me == 0:
-    doc = report.to_json(fleet, outcome, dict(ds.sizes), dict(threshold=ds.threshold,
+    doc = verdict.to_json(fleet, outcome, dict(ds.sizes), dict(threshold=ds.threshold,
                          survey_rounds=ds.survey_rounds, confirm_rounds=ds.confirm_rounds, **plan_samples))
-    print(report.table(doc), end="", flush=True)
+    print(verdict.table(doc), end="", flush=True)
     try:
-      json_path, _ = report.write(out_dir, doc)
+      json_path, _ = verdict.write(out_dir, doc)
       say(f"wrote {json_path} and doctor.txt")
     except OSError as e:
       problem = f"cannot write the verdict to {out_dir}: {e.strerror}"

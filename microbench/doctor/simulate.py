@@ -16,7 +16,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from microbench.doctor.doctor import SIZES
+from microbench.doctor.survey import SIZES
 from microbench.doctor.fleet import Fleet, Test
 from microbench.fabric import flows
 from microbench.fabric import rates

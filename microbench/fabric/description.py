@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from microbench.fabric import peaks
+from microbench.fabric import link_peaks
 from microbench.fabric import rates
 
 BASE_US = 8.4  # NCCL's base latency (Simple protocol), collectives.md
@@ -127,23 +127,23 @@ class Fabric:
     out += [f"assumed: {a}" for a in self.assumed]
     return out
 
-  def level_peaks(self) -> dict[str, peaks.LevelPeak]:
-    """The link peaks the sweeps report (peaks.LEVELS), from this description: one place, not two."""
+  def level_peaks(self) -> dict[str, link_peaks.LevelPeak]:
+    """The link peaks the sweeps report (link_peaks.LEVELS), from this description: one place, not two."""
     out = {}
     if self.scale_up_gbps:
-      out["scale_up"] = peaks.LevelPeak(self.scale_up_gbps, self.scale_up_link or f"{self.scale_up_gbps:g} GB/s",
+      out["scale_up"] = link_peaks.LevelPeak(self.scale_up_gbps, self.scale_up_link or f"{self.scale_up_gbps:g} GB/s",
                                         f"fabric {self.name}")
       if self.nodes_per_domain > 1:
         out["rack_scale"] = dataclasses.replace(out["scale_up"])
     if self.nic_gbps:
       # The sweeps' peak is per rank: a GPU's share of its node's NICs.
       per_rank = self.nic_gbps * self.nics_per_node / self.gpus_per_node
-      out["scale_out"] = peaks.LevelPeak(per_rank, self.nic_link or f"{per_rank:g} GB/s", f"fabric {self.name}")
+      out["scale_out"] = link_peaks.LevelPeak(per_rank, self.nic_link or f"{per_rank:g} GB/s", f"fabric {self.name}")
     return out
 
 
 def _link(name: str) -> float:
-  return peaks.LINKS[name][0]
+  return link_peaks.LINKS[name][0]
 
 
 _UPLINKS = "leaf and group uplinks non-blocking (no public figure; an upper bound where they are tapered)"

@@ -24,8 +24,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from microbench.fabric import collectives as fabric_collectives
-from microbench.fabric import conventions, gpu_kinds, peaks
+from microbench.fabric import collective_model as fabric_collectives
+from microbench.fabric import conventions, gpu_kinds, link_peaks
 from microbench.fabric.description import SYSTEMS, Fabric, FabricError, parse, system
 
 LOW_RATIO = 0.5  # measured / expected busbw under this, at a bandwidth-bound size: flagged LOW
@@ -50,10 +50,10 @@ class Machine:
 def _node_only(kind: gpu_kinds.GpuKind, gpus_per_node: int) -> Fabric | None:
   """A machine of `kind` nodes whose NICs are not described: only its NVLink domain is known."""
   link = kind.rack_nvlink or kind.nvlink
-  if not link or link not in peaks.LINKS:
+  if not link or link not in link_peaks.LINKS:
     return None
   return Fabric(name=f"{kind.name} nodes (detected)", gpu=kind.name, gpus_per_node=gpus_per_node,
-                scale_up_gbps=peaks.LINKS[link][0], nic_gbps=None, nics_per_node=0, nodes_per_leaf=1,
+                scale_up_gbps=link_peaks.LINKS[link][0], nic_gbps=None, nics_per_node=0, nodes_per_leaf=1,
                 leaves_per_group=1, nodes_per_domain=kind.nodes_per_rack if kind.rack_nvlink else 1,
                 scale_up_link=link, assumed=(f"NVLink from the GPU kind ({kind.title}: {link}); the NICs are not"
                                              " described: give --fabric for groups across nodes",))

@@ -35,7 +35,7 @@ class GpuKind:
   name: str                 # the --target name, e.g. "h100"
   title: str
   device_kinds: tuple[str, ...]
-  nvlink: str | None        # link name in microbench.fabric.peaks.LINKS (scale_up)
+  nvlink: str | None        # link name in microbench.fabric.link_peaks.LINKS (scale_up)
   rack_nvlink: str | None   # an NVLink domain spanning the rack's nodes (NVL72), else None
   gpus_per_node: int
   nodes_per_rack: int

@@ -50,7 +50,7 @@ import math
 import re
 
 from microbench.fabric import conventions
-from microbench.fabric.collectives import Prediction
+from microbench.fabric.collective_model import Prediction
 from microbench.fabric.conventions import COLLECTIVES
 from microbench.fabric.tpu_kinds import TpuKind, kinds
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from microbench.fabric import collectives as fc
+from microbench.fabric import collective_model as fc
 from microbench.fabric.description import Fabric
 from microbench.report import tables
 

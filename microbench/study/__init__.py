@@ -5,6 +5,6 @@ other jobs share the network, by strategy, size, placement and job mix.
 schedules as data), `hlo_schedule` (a schedule read from a real training step's compiled HLO), `proxy` (runs a
 schedule: real collectives, emulated compute), `machines` (described machines and their placement classes),
 `generator` (job mixes: patterns, entropy bins, placement vectors), `placement` (nodes for each job),
-`runner` and `backends` (baselines and concurrent runs on SLURM, the emulated cluster or local processes),
+`run_plan` and `backends` (baselines and concurrent runs on SLURM, the emulated cluster or local processes),
 `stats` (sigma and its confidence interval), `report` (plots, Markdown, TensorBoard).
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 
-from microbench.study import schedules as sch
+from microbench.study import rank_programs as sch
 
 KINDS = ("alltoall", "incast", "broadcast", "permutation")
 POINT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")

@@ -29,7 +29,7 @@ from microbench.study import congestors as cg
 from microbench.study import impact as im
 from microbench.study import machines as mm
 from microbench.study import predict as pr
-from microbench.study import runner, schedules
+from microbench.study import rank_programs, run_plan
 from microbench.study import workloads as wl
 
 RESULT = "gpcnet.json"
@@ -159,7 +159,7 @@ class Settings:
   backend: str = ""  # where it ran (said in the report: the local backend shares no described link)
 
 
-def schedule(spec: Spec, machine: mm.Machine, s: Settings) -> schedules.JobSchedule:
+def schedule(spec: Spec, machine: mm.Machine, s: Settings) -> rank_programs.JobSchedule:
   gpus = len(spec.nodes) * machine.gpus_per_node
   eb = pr.ELEMENT_BYTES[s.dtype]
   try:
@@ -167,7 +167,7 @@ def schedule(spec: Spec, machine: mm.Machine, s: Settings) -> schedules.JobSched
       return cg.build(spec.kind, gpus, spec.message_bytes or 1, eb, s.seed)
     if not spec.is_strategy:
       return cg.point(spec.kind, gpus, spec.message_bytes, eb)
-    return schedules.build(spec.kind, gpus, machine.gpu, spec.model).scaled(s.bytes_scale, s.compute_scale)
+    return rank_programs.build(spec.kind, gpus, machine.gpu, spec.model).scaled(s.bytes_scale, s.compute_scale)
   except (cg.CongestorError, wl.WorkloadError) as e:
     raise GpcnetError(f"{spec.name} {spec.describe()}: {e}") from None
 
@@ -228,9 +228,9 @@ def prediction(machine: mm.Machine, canary: Spec, congs: Sequence[Spec], s: Sett
 
 def command(spec: Spec, machine: mm.Machine, s: Settings, raw: str, tag: str, iters: int) -> list[str]:
   if spec.is_strategy:
-    rs = runner.RunSettings(plan_dir="", out_dir=s.out_dir, compute=s.compute, compute_scale=s.compute_scale,
+    rs = run_plan.RunSettings(plan_dir="", out_dir=s.out_dir, compute=s.compute, compute_scale=s.compute_scale,
                             bytes_scale=s.bytes_scale, iters=iters, warmup=s.warmup, dtype=s.dtype)
-    return runner.proxy_command(spec.job(machine), machine, rs, raw, tag)
+    return run_plan.proxy_command(spec.job(machine), machine, rs, raw, tag)
   which = f"--congestor={spec.kind}" if spec.role == "congestor" else f"--point={spec.kind}"
   return [sys.executable, "-m", "microbench.cli.study", "proxy", which, f"--message_bytes={spec.message_bytes}",
           f"--gpus={len(spec.nodes) * machine.gpus_per_node}", f"--iters={iters}", f"--warmup={s.warmup}",

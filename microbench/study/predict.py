@@ -32,7 +32,7 @@ from microbench.fabric import conventions
 from microbench.fabric import description as fd
 from microbench.fabric import jobs as fj
 from microbench.report import fabric_fit
-from microbench.study import backends, runner, schedules
+from microbench.study import backends, rank_programs, run_plan
 from microbench.study import machines as mm
 
 PREDICTED = "predicted.json"
@@ -100,7 +100,7 @@ class Links:
     return (f.base_us + on_domain * f.scale_up_hop_us + between * net_hop + call_us) * 1e-6
 
 
-def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links,
+def comm_flows(c: rank_programs.Comm, where: Sequence[tuple[int, int]], links: Links,
                element_bytes: int) -> tuple[tuple[tuple[str, ...], float], ...]:
   """A collective's flows (links, bytes) as NCCL's ring (or direct sends) would move it."""
   ranks = c.group.ranks
@@ -117,7 +117,7 @@ def comm_flows(c: schedules.Comm, where: Sequence[tuple[int, int]], links: Links
   return tuple((links.path(where[a], where[b]), v) for a, b, v in pairs if v > 0)
 
 
-def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, element_bytes: int,
+def job_model(name: str, sched: rank_programs.JobSchedule, job: dict, links: Links, element_bytes: int,
               call_us: float = 0.0) -> fj.Job:
   """The job's ranks as fabric.jobs programs on the nodes `job` places them on."""
   nodes = backends.rank_nodes(job)
@@ -127,9 +127,9 @@ def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, 
     seen: dict[tuple, int] = {}
     out: list[fj.Step] = []
     for s in steps:
-      if isinstance(s, schedules.Compute):
+      if isinstance(s, rank_programs.Compute):
         out.append(fj.Compute(s.seconds))
-      elif isinstance(s, schedules.Wait):
+      elif isinstance(s, rank_programs.Wait):
         out.append(fj.Wait(s.handles))
       else:
         c = s.comm
@@ -139,18 +139,18 @@ def job_model(name: str, sched: schedules.JobSchedule, job: dict, links: Links, 
         spread = len({where[x][0] for x in c.group.ranks})
         coll = fj.Collective(f"{c.label}:{c.op}:{','.join(map(str, c.group.ranks))}:{seen[ident]}", c.group.ranks,
                              flows, links.latency_s(c.op, len(c.group.ranks), [p for p, _ in flows], call_us, spread))
-        out.append(fj.Start(coll, s.handle) if isinstance(s, schedules.Start) else fj.Blocking(coll))
+        out.append(fj.Start(coll, s.handle) if isinstance(s, rank_programs.Start) else fj.Blocking(coll))
     programs[r] = tuple(out)
   return fj.Job(name, programs)
 
 
-Derived = dict[tuple[str, int], schedules.JobSchedule]  # (proxy_from, gpus) -> the schedule read from its HLO
+Derived = dict[tuple[str, int], rank_programs.JobSchedule]  # (proxy_from, gpus) -> the schedule read from its HLO
 
 
 def derive_schedules(experiments: Sequence[dict], machine: mm.Machine, devices: Sequence) -> Derived:
-  """The HLO-derived schedules of the plan's `proxy_from` jobs, as `run` derives them (hlo_schedule.derive on
+  """The HLO-derived schedules of the plan's `proxy_from` jobs, as `run` derives them (step_collectives.derive on
   the first `gpus` of `devices`: virtual CPU devices, or a GPU kind's compile-only ones), each once."""
-  from microbench.study import hlo_schedule  # pylint: disable=g-import-not-at-top  (compiles models)
+  from microbench.study import step_collectives  # pylint: disable=g-import-not-at-top  (compiles models)
   out: Derived = {}
   for e in experiments:
     for job in e["jobs"]:
@@ -159,7 +159,7 @@ def derive_schedules(experiments: Sequence[dict], machine: mm.Machine, devices: 
         if len(devices) < job["gpus"]:
           raise ValueError(f"job {job.get('name')}: deriving {key[0]} on {job['gpus']} ranks needs as many"
                            f" devices; {len(devices)} here")
-        out[key] = hlo_schedule.derive(key[0], job["gpus"], gpu=machine.gpu, devices=list(devices)[:job["gpus"]])
+        out[key] = step_collectives.derive(key[0], job["gpus"], gpu=machine.gpu, devices=list(devices)[:job["gpus"]])
   return out
 
 
@@ -169,14 +169,14 @@ def proxy_from_gpus(experiments: Sequence[dict]) -> int:
 
 
 def _schedule(job: dict, machine: mm.Machine, bytes_scale: float, compute_scale: float,
-              derived: Derived | None = None) -> schedules.JobSchedule:
+              derived: Derived | None = None) -> rank_programs.JobSchedule:
   if job.get("proxy_from"):
     full = (derived or {}).get((job["proxy_from"], job["gpus"]))
     if full is None:
       raise ValueError(f"job {job.get('name')}: its proxy is derived from {job['proxy_from']}'s HLO; derive it"
                        " first (predict.derive_schedules; `microbench-study predict` does)")
     return full.scaled(bytes_scale, compute_scale)
-  return schedules.build(job["strategy"], job["gpus"], machine.gpu, job["model"]).scaled(bytes_scale, compute_scale)
+  return rank_programs.build(job["strategy"], job["gpus"], machine.gpu, job["model"]).scaled(bytes_scale, compute_scale)
 
 
 def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, float]) -> str | None:
@@ -202,7 +202,7 @@ def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0,
   what `microbench-study predict` runs. `fabric` replaces the machine's described links; `fit_from` sweep
   folders then replace its levels with their fits (each change said through `say`). Jobs whose proxies come
   from a model's HLO are derived here as `run` will (on virtual CPU devices) unless `derived` is given."""
-  plan, experiments = runner.load_plan(plan_dir)  # read once: the fits, the derivations and the model use it
+  plan, experiments = run_plan.load_plan(plan_dir)  # read once: the fits, the derivations and the model use it
   machine = mm.Machine.from_json(plan["machine"])
   if fit_from:
     fabric = fabric or mm.fabric_of(machine)
@@ -213,7 +213,7 @@ def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0,
   need = proxy_from_gpus(experiments)
   if derived is None and need:
     # JAX only here, after the virtual devices are set (a plan without such jobs needs none).
-    from meshes.topology import Topology  # pylint: disable=g-import-not-at-top
+    from microbench.meshes.topology import Topology  # pylint: disable=g-import-not-at-top
     from microbench.cluster import machine as cluster_machine  # pylint: disable=g-import-not-at-top
     cluster_machine.prepare_cpu_devices(Topology(1, 1, need), False)
     import jax  # pylint: disable=g-import-not-at-top
@@ -266,7 +266,7 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
   latency_share: dict[tuple, float] = {}  # of the time alone, what the latencies add (nothing shares it)
   for e in experiments:
     for job in e["jobs"]:
-      key = runner.key_of(job)
+      key = run_plan.key_of(job)
       if key not in alone:  # the baseline: the key's first job alone on its nodes
         alone[key] = mix_times(machine, [job], **scales, **model)[job["name"]][0]
         no_latency = dict(model, call_us=0.0, fabric=dataclasses.replace(
@@ -279,13 +279,13 @@ def predict_experiments(machine: mm.Machine, experiments: Sequence[dict], bytes_
     times = mix_times(machine, e["jobs"], **scales, **model)
     rows = []
     for j in e["jobs"]:
-      key = runner.key_of(j)
+      key = run_plan.key_of(j)
       t, link = times[j["name"]]
       per_key.setdefault(key, []).append(t)
-      rows.append({"job": j["name"], "key": runner.key_name(key), "alone_s": alone[key], "together_s": t,
+      rows.append({"job": j["name"], "key": run_plan.key_name(key), "alone_s": alone[key], "together_s": t,
                    "sigma": t / alone[key], "link": link})
     out_exps[e["id"]] = {"jobs": rows}
-  keys = {runner.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
+  keys = {run_plan.key_name(k): {"strategy": k[0], "model": k[1], "gpus": k[2], "placement_class": k[3],
                                "alone_s": alone[k], "together_s_geomean": _geomean(v),
                                "sigma": _geomean(v) / alone[k], "latency_share": latency_share[k],
                                **({"note": LATENCY_BOUND} if latency_share[k] > LATENCY_BOUND_SHARE else {})}

@@ -67,9 +67,9 @@ def state_bytes_per_device(model: str, size: str, layers: int, parallelism_text:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  from meshes import parallelism as par  # pylint: disable=g-import-not-at-top
-  from models import get_model  # pylint: disable=g-import-not-at-top
-  from models.train_step import variable_spec  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import parallelism as par  # pylint: disable=g-import-not-at-top
+  from microbench.models import get_model  # pylint: disable=g-import-not-at-top
+  from microbench.models.train_step import variable_spec  # pylint: disable=g-import-not-at-top
 
   spec = get_model(model, size, layers=layers)
   sizes = par.parse_parallelism(parallelism_text).axis_sizes
@@ -106,7 +106,7 @@ def resolve(name: str, devices: int, platform: str, memory: int | None,
   """(TrainConfig fields, a note saying what was scaled) for preset `name` on `devices` devices of
   `platform` with `memory` bytes each (None: unknown); fields in `explicit` (the flags the user gave) are
   left to the user."""
-  from models import get_model  # pylint: disable=g-import-not-at-top
+  from microbench.models import get_model  # pylint: disable=g-import-not-at-top
 
   if name not in PRESETS:
     raise PresetError(f"unknown --preset={name!r}; choose one of {', '.join(PRESETS)}")
@@ -118,7 +118,7 @@ def resolve(name: str, devices: int, platform: str, memory: int | None,
   size = explicit.get("size", shape.size if model == shape.model else None)
   seq_len = explicit.get("seq_len", shape.seq_len if (model, size) == (shape.model, shape.size) else None)
   par_text = explicit.get("parallelism") or parallelism(strategy, devices)
-  from meshes import parallelism as par  # pylint: disable=g-import-not-at-top
+  from microbench.meshes import parallelism as par  # pylint: disable=g-import-not-at-top
   try:
     degrees = par.parse_parallelism(par_text)
   except par.ParallelismError as e:

@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from microbench.bench import collectives, program
-from microbench.study import schedules as sch
+from microbench.study import rank_programs as sch
 from microbench.study import workloads as wl
 
 DTYPES = {k: program.DTYPES[k] for k in ("bfloat16", "float32", "float16")}  # the floating types a proxy moves

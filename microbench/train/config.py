@@ -1,7 +1,7 @@
 """A training request checked and laid on the machine: model, strategy degrees, placement, mesh.
 
 Everything that can be refused is refused here, with one line saying why and what is allowed, before a
-step is compiled: strategies come from `meshes.parallelism`, placement on the machine from
+step is compiled: strategies come from `microbench.meshes.parallelism`, placement on the machine from
 `microbench.cluster.machine`.
 """
 
@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshes import parallelism as par
-from meshes.topology import Topology, TopologyError, parse_topology
+from microbench.meshes import parallelism as par
+from microbench.meshes.topology import Topology, TopologyError, parse_topology
 from microbench.fabric import tpu_kinds
-from microbench.target import compile_only, tpu_compile_only
-from models import ModelError, ModelSpec, context, get_model, pipeline, pipeline_schedule
-from models.layers import CONTEXT_IMPLS, REMAT_POLICIES, Execution
-from models.train_step import Trainer, variable_spec
+from microbench.aot import gpu_compile, tpu_compile
+from microbench.models import ModelError, ModelSpec, context, get_model, pipeline, pipeline_schedule
+from microbench.models.layers import CONTEXT_IMPLS, REMAT_POLICIES, Execution
+from microbench.models.train_step import Trainer, variable_spec
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ATTENTION_CHOICES = ("auto", "xla", "cudnn")
@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 
 
 # What setting up a --target can raise, each with a one-line message: GPU and TPU kinds and compilers.
-TARGET_ERRORS = (compile_only.TargetError, compile_only.KindError, tpu_compile_only.TargetError,
+TARGET_ERRORS = (gpu_compile.TargetError, gpu_compile.KindError, tpu_compile.TargetError,
                  tpu_kinds.KindError)
 
 
@@ -58,7 +58,7 @@ class TrainConfig:
   compile_only: bool = False  # compile and report memory, FLOPs and communication; run nothing
   seed: int = 0
   capacity_factor: float | None = None  # MoE expert capacity (model default when None; <= 0: dropless)
-  moe_dispatch: str | None = None  # MoE token exchange (models.moe.DISPATCHES; default auto)
+  moe_dispatch: str | None = None  # MoE token exchange (microbench.models.moe.DISPATCHES; default auto)
   microbatches: int | None = None  # pipeline microbatches per step (pp only; default: the stage count)
   schedule: str | None = None  # pipeline schedule (pp only; default 1f1b)
   virtual_stages: int = 1  # layer chunks per stage (--schedule=interleaved)
@@ -106,7 +106,7 @@ class Plan:
     return (self.cfg.schedule or DEFAULT_SCHEDULE) if self.stages > 1 else None
 
   def execution(self, without: str | None = None) -> Execution:
-    """How the layers run for this request (`without`: a timing arm, see models.layers.WITHOUT)."""
+    """How the layers run for this request (`without`: a timing arm, see microbench.models.layers.WITHOUT)."""
     c = self.cfg
     return Execution(remat=c.remat, scan=c.scan_layers, attention=self.attention, context_impl=c.context_impl,
                      schedule=self.schedule or DEFAULT_SCHEDULE, microbatches=self.microbatches,

@@ -2,7 +2,7 @@
 with the send sizes the router chose in the run, timed as the benchmark times a collective.
 
 Where the sizes come from: the training step reports each expert's assignments, summed over the whole batch,
-its layers and microbatches (`moe_expert_assignments`, models.moe). One step's counts, divided by the
+its layers and microbatches (`moe_expert_assignments`, microbench.models.moe). One step's counts, divided by the
 dispatches that step ran (layers x microbatches) and by the batch shards that route their own tokens, give
 each device's assignments per dispatch, `a` rows of d_model elements; every source splits them over the
 expert-parallel ranks in proportion to the tokens those ranks' experts received (cumulative rounding, so a

@@ -18,17 +18,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshes import parallelism as par
+from microbench.meshes import parallelism as par
 from microbench.cluster import environment, machine
 from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.fabric import gpu_kinds, tpu_kinds
-from microbench.target import compile_only
-from microbench.train import comm_fingerprint, dispatch, overheads, peaks
+from microbench.aot import gpu_compile
+from microbench.train import comm_fingerprint, dispatch, flops_peaks, overheads
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
-from models import moe, pipeline, pipeline_schedule
-from models.optimizer import AdamWConfig, adamw
-from models.train_step import Trainer
+from microbench.models import moe, pipeline, pipeline_schedule
+from microbench.models.optimizer import AdamWConfig, adamw
+from microbench.models.train_step import Trainer
 
 
 
@@ -143,10 +143,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def target_memory(name: str) -> tuple[int, float | None]:
   """A --target's memory per device and the share of it a JAX process gets (None: the GPU default, from the
-  environment, see compile_only.mem_fraction). JAX on a TPU preallocates no fraction: XLA:TPU's allocator has
+  environment, see gpu_compile.mem_fraction). JAX on a TPU preallocates no fraction: XLA:TPU's allocator has
   the chip's whole HBM (and the compiler refuses a program above it), so a TPU target's share is all of it."""
   if machine.is_tpu_target(name):
-    return tpu_kinds.target(name).memory_bytes, compile_only.TPU_MEM_FRACTION
+    return tpu_kinds.target(name).memory_bytes, gpu_compile.TPU_MEM_FRACTION
   return gpu_kinds.target(name).memory_bytes, None
 
 
@@ -177,8 +177,8 @@ def hbm_refusal(message: str) -> dict[str, Any] | None:
 
 def _target_peak(cfg: TrainConfig, device: jax.Device, flops: float, n: int) -> dict[str, Any]:
   """A compile target's spec-sheet peak and the step time at 100% MFU it implies (what a run's MFU divides);
-  nothing for the devices present, whose peak a run measures or looks up (peaks.device_peak)."""
-  peak = peaks.table_peak(device.device_kind, cfg.dtype) if cfg.target else None
+  nothing for the devices present, whose peak a run measures or looks up (flops_peaks.device_peak)."""
+  peak = flops_peaks.table_peak(device.device_kind, cfg.dtype) if cfg.target else None
   if peak is None:
     return {}
   return {"peak_tflops_per_device": peak.tflops, "peak_source": peak.source,
@@ -362,7 +362,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   compile_note, refused = None, None
   try:
     if cfg.target:
-      compiled, compile_note = compile_only.compile_for_target(trainer.compile_step, cfg.compiler_options)
+      compiled, compile_note = gpu_compile.compile_for_target(trainer.compile_step, cfg.compiler_options)
     else:
       compiled = trainer.compile_step(cfg.compiler_options)
   except Exception as e:  # pylint: disable=broad-except
@@ -371,7 +371,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       raise
     compiled = None
   compile_s = time.perf_counter() - t0
-  memory = (compile_only.memory(compiled) if compiled is not None else None) or dict.fromkeys(
+  memory = (gpu_compile.memory(compiled) if compiled is not None else None) or dict.fromkeys(
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
   hlo_text = compiled.as_text() if compiled is not None else ""
   report = comm_fingerprint.comm_report(hlo_text, n)
@@ -388,10 +388,10 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   # TPU target's against all of it (TPU_MEM_FRACTION); a real device's limit is already the allocator's.
   if refused:  # XLA:TPU's own verdict, with what it says it needed (at least) and had
     per_device = refused["required_bytes"]
-    fit = {**compile_only.fit(per_device, memory_limit, fraction), "fits": False,
+    fit = {**gpu_compile.fit(per_device, memory_limit, fraction), "fits": False,
            "xla_available_bytes": refused["available_bytes"], "compile_refused": refused["message"]}
   elif cfg.target:
-    fit = compile_only.fit(per_device, memory_limit, fraction)
+    fit = gpu_compile.fit(per_device, memory_limit, fraction)
   else:
     fit = {"fits": None if memory_limit is None else per_device <= memory_limit}
   item = spec.item_name
@@ -427,7 +427,7 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   batch = make_batch(0)
   jax.block_until_ready(batch)
 
-  peak = peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
+  peak = flops_peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
   losses, norms, times, dropped, assigned = [], [], [], [], []
   expert_counts = None  # the last timed step's assignments per expert (the dispatch's sizes)
   total = cfg.steps + cfg.profile_steps

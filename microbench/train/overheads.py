@@ -28,7 +28,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from models import pipeline_schedule as ps
+from microbench.models import pipeline_schedule as ps
 
 
 MIN_ROUNDS = 12  # the fewest timed rounds: a 95% median interval then excludes 2 rounds at each end

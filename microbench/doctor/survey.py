@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from microbench.doctor import diagnose, schedule
+from microbench.doctor import diagnose, pair_rounds
 from microbench.doctor.fleet import Fleet, Test
 
 CONFIRM_ROUNDS = 3  # enough to clear a rack's nodes, then confirm its uplink, with one round to spare
@@ -27,7 +27,7 @@ PROGRAM = {"loss": "p2p"}  # a derived kind and the program whose run yields it
 @dataclasses.dataclass(frozen=True)
 class Settings:
   threshold: float = diagnose.THRESHOLD
-  survey_rounds: int = schedule.SURVEY_ROUNDS
+  survey_rounds: int = pair_rounds.SURVEY_ROUNDS
   confirm_rounds: int = CONFIRM_ROUNDS
   kinds: tuple[str, ...] = ("p2p", "all_reduce")  # the pair tests of every round
   scale_up: bool = True  # a node-local all-reduce over each node's devices (skipped on one device per node)
@@ -53,7 +53,7 @@ def survey_tests(fleet: Fleet, settings: Settings) -> list[list[Test]]:
   """The survey's tests, round by round: every kind on every rail for each pair of the round; the scale-up
   test of every node in round 0."""
   rounds = []
-  for r, pairs in enumerate(schedule.survey(fleet.racks, settings.survey_rounds)):
+  for r, pairs in enumerate(pair_rounds.survey(fleet.racks, settings.survey_rounds)):
     tests = [Test(kind, a, b, rail, r) for rail in range(fleet.rails) for kind in settings.kinds
              for a, b in pairs]
     if r == 0 and settings.scale_up:

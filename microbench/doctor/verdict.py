@@ -15,7 +15,7 @@ import os
 from collections.abc import Sequence
 
 from microbench.doctor import diagnose
-from microbench.doctor.doctor import Outcome
+from microbench.doctor.survey import Outcome
 from microbench.doctor.fleet import Fleet, median
 
 HEALTHY, FOUND, UNRESOLVED = 0, 1, 3

@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from microbench.fabric.tpu_kinds import KindError, TpuKind, target
-from microbench.target import quiet_start
+from microbench.aot import quiet_start
 
 INSTALL_HINT = "pip install -e '.[tpu-compile]'"
 # libtpu, started on a machine that is not a TPU VM, says so on stderr; harmless for compiling.

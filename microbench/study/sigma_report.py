@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from microbench.output import jsonl
 from microbench.output.tensorboard import TensorBoardLog
-from microbench.study import predict, runner, stats
+from microbench.study import predict, run_plan, stats
 from microbench.study import workloads as wl
 
 BINS = ("low", "medium", "high")
@@ -53,11 +53,11 @@ def read_records(path: str) -> list[dict]:
 
 def load(out_dir: str, drop_first: int = 1) -> tuple[list[Sample], dict[str, dict]]:
   """Every kept sample of every done unit, and the unit records by id."""
-  done = runner.done_units(out_dir)
+  done = run_plan.done_units(out_dir)
   samples: list[Sample] = []
   for unit in done.values():
     for job in unit["jobs"]:
-      key = runner.key_of(job)
+      key = run_plan.key_of(job)
       for inst in job["instances"]:
         raw = inst["raw"] if os.path.isabs(inst["raw"]) else os.path.join(out_dir, inst["raw"])
         if not os.path.exists(raw):  # the results folder was moved: look beside it
@@ -211,7 +211,7 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
               "|---|---|---|---|---|---|---|"]
     errors = []
     for k in keys.values():
-      p = predicted["keys"].get(runner.key_name(k.key))
+      p = predicted["keys"].get(run_plan.key_name(k.key))
       if p is None:
         continue
       measured = k.sigma.sigma if k.sigma else None
@@ -351,7 +351,7 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
   cells = bin_cells(slow, units)
   scaling = baseline_scaling(samples)
   note = ""
-  recorded = read_records(os.path.join(out_dir, runner.UNITS_FILE))
+  recorded = read_records(os.path.join(out_dir, run_plan.UNITS_FILE))
   failed = sorted({u["unit"] for u in recorded if u.get("status") != "done"} - set(units))
   if failed:
     note = f"{len(failed)} unit(s) failed (run again by `run --resume`): " + ", ".join(failed)
@@ -374,13 +374,13 @@ def build(out_dir: str, report_dir: str | None = None, drop_first: int = 1, plot
             **({"per_experiment": {e: {f: getattr(x, f) for f in ("sigma", "low", "high", "boot_low", "boot_high",
                                                                  "n_concurrent")}
                                    for e, x in sorted(per_exp[k.key].items())}} if k.key in per_exp else {}),
-            **({"predicted": predicted["keys"][runner.key_name(k.key)]}
-               if predicted and runner.key_name(k.key) in predicted["keys"] else {})} for k in keys.values()]
+            **({"predicted": predicted["keys"][run_plan.key_name(k.key)]}
+               if predicted and run_plan.key_name(k.key) in predicted["keys"] else {})} for k in keys.values()]
   with open(os.path.join(report_dir, "sigma.json"), "w", encoding="utf-8") as f:
     json.dump(table, f, indent=1)
   tb = TensorBoardLog(os.path.join(report_dir, "tensorboard"), flush_each=False)
   for k in keys.values():
-    name = runner.key_name(k.key)
+    name = run_plan.key_name(k.key)
     if k.sigma:
       for what in ("sigma", "low", "high", "share_slower"):
         tb.scalar(f"sigma/{name}/{what}", getattr(k.sigma, what), 0)

@@ -172,5 +172,5 @@ def device_peak(device: jax.Device, dtype: str, local_devices: int) -> Peak:
   peak = table_peak(device.device_kind, dtype)
   if peak is None:
     return Peak(None, f"unknown device kind {device.device_kind!r}: no spec-sheet peak in"
-                " microbench/train/peaks.py, so no MFU (add the exact kind with its datasheet figure)")
+                " microbench/train/flops_peaks.py, so no MFU (add the exact kind with its datasheet figure)")
   return peak

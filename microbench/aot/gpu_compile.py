@@ -13,7 +13,7 @@ import importlib
 import os
 from typing import Any
 
-from microbench.target import quiet_start
+from microbench.aot import quiet_start
 from microbench.fabric.gpu_kinds import GpuKind, KindError, target
 
 INSTALL_HINT = "pip install -e '.[gpu-compile]'"

@@ -24,11 +24,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshes import parallelism as par
+from microbench.meshes import parallelism as par
 from microbench.hlo import parse as hlo
-from microbench.target import compile_only
+from microbench.aot import gpu_compile
 from microbench.study import presets
-from microbench.study import schedules as sch
+from microbench.study import rank_programs as sch
 from microbench.study import workloads as wl
 
 OPS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
@@ -95,8 +95,8 @@ class PipelineTicks:
   backward is kept only for the stages that run it at that tick (the table says which), a transfer only on the
   ticks it runs; the head's conditional inside the forward runs on the last stage when it runs the last
   chunk."""
-  table: np.ndarray  # [ticks, stages, columns] (models.pipeline_schedule)
-  sends: np.ndarray  # [ticks, 2]: a transfer forward / back runs after the tick (models.pipeline_schedule.sends)
+  table: np.ndarray  # [ticks, stages, columns] (microbench.models.pipeline_schedule)
+  sends: np.ndarray  # [ticks, 2]: a transfer forward / back runs after the tick (pipeline_schedule.sends)
   stage_of: tuple[int, ...]  # stage of each device position
   virtual: int
 
@@ -111,7 +111,7 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
 
   Outside a pipeline's tick loop one branch of a conditional stands for all (the first with collectives);
   inside it, `pipeline` says which stages run which branch at each tick."""
-  from models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
+  from microbench.models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
 
   lines, entry = computations(text)
   comps: dict[str, list[_Line]] = {}
@@ -327,8 +327,8 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
   device, one per rank in process order), compiled ahead of time; ValueError (one line) on bad input."""
   import jax  # pylint: disable=g-import-not-at-top
   from microbench import train  # pylint: disable=g-import-not-at-top
-  from models.optimizer import AdamWConfig, adamw  # pylint: disable=g-import-not-at-top
-  from models.train_step import Trainer  # pylint: disable=g-import-not-at-top
+  from microbench.models.optimizer import AdamWConfig, adamw  # pylint: disable=g-import-not-at-top
+  from microbench.models.train_step import Trainer  # pylint: disable=g-import-not-at-top
 
   family, size, strategy = parse_proxy_from(proxy_from)
   parallelism = training_parallelism(strategy, gpus)
@@ -349,7 +349,7 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
   trainer = Trainer(p.spec, p.mesh, train.config.DTYPES[dtype], adamw(AdamWConfig()), global_batch, 0,
                     execution=p.execution())
   try:
-    compiled, _ = compile_only.compile_for_target(trainer.compile_step, compiler_options)  # deviceless GEMM tiling
+    compiled, _ = gpu_compile.compile_for_target(trainer.compile_step, compiler_options)  # deviceless GEMM tiling
   except Exception as e:  # pylint: disable=broad-except
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
@@ -360,7 +360,7 @@ def compile_step(proxy_from: str, gpus: int, *, batch: int | None = None, seq_le
   text = compiled.as_text()
   ticks = None
   if p.stages > 1:
-    from models import pipeline, pipeline_schedule  # pylint: disable=g-import-not-at-top
+    from microbench.models import pipeline, pipeline_schedule  # pylint: disable=g-import-not-at-top
     sched = pipeline.schedule(p.schedule, p.stages, p.microbatches, cfg.virtual_stages)
     names = list(p.mesh.axis_names)
     shape = tuple(int(p.mesh.shape[a]) for a in names)

@@ -99,7 +99,7 @@ def _kind_links(device_kind: str) -> dict[str, str]:
   return {"scale_up": kind.nvlink, **({"rack_scale": kind.rack_nvlink} if kind.rack_nvlink else {})}
 
 
-# Which level each mesh axis crosses (meshes.topology's rack x node x gpu), inner to outer.
+# Which level each mesh axis crosses (microbench.meshes.topology's rack x node x gpu), inner to outer.
 AXIS_LEVEL = {"gpu": "scale_up", "node": "rack_scale", "rack": "scale_out"}
 AXIS_ORDER = ("gpu", "node", "rack")
 
