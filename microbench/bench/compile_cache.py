@@ -2,7 +2,7 @@
 program, the timed arms and the long arm's checked twin, the helpers that make and compare known inputs),
 and the same sweep run again compiles the same programs. With the cache on, a rerun loads them from disk.
 
-On the lab machine's 16-point sweep that is 6 s of compile down to 2 s (scripts/bench_peer.py); on a GPU node,
+On a 2-core CPU machine's 16-point sweep that is 6 s of compile down to 2 s (scripts/bench_peer.py); on a GPU node,
 where XLA:GPU takes about a second per program (autotuning included), it is minutes of a large sweep. What is
 timed is unchanged (compile time is never timed), and every loaded program is HLO-checked as a compiled one is.
 

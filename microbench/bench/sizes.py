@@ -30,7 +30,7 @@ DEFAULT_MAX_BYTES_OTHER = 16 << 20
 
 def default_max_bytes(platform: str, min_bytes: int) -> int:
   """--max_bytes=auto: 4M on CPU devices, whose bus bandwidth peaks inside the caches (a 16M point only
-  copies memory and cost 41 of a default sweep's 90 s on the 2-core lab machine), 16M elsewhere; never
+  copies memory and cost 41 of a default sweep's 90 s on a 2-core CPU machine), 16M elsewhere; never
   below --min_bytes (a lone --min_bytes past it is a one-size sweep)."""
   return max(min_bytes, DEFAULT_MAX_BYTES.get(platform, DEFAULT_MAX_BYTES_OTHER))
 
