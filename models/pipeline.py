@@ -29,6 +29,7 @@ parameters and the input-activation gradient are replicated over `stage`, so bot
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -92,63 +93,103 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
          targets_M):
   """The schedule inside shard_map (manual over `stage` and the batch axes): (loss, stats, layer grads,
   head grads, input grads), each already reduced over stages and batch shards."""
-  s, v, m = sched.stages, sched.virtual, sched.microbatches
+  s, v = sched.stages, sched.virtual
   d = jax.lax.axis_index(AXIS)
   # Every input typed as differing per stage and data shard before anything is differentiated: the
   # transpose of a use of a replicated value is a psum, and a collective inside a branch that only some
   # stages take deadlocks (and one per microbatch is the cost this function exists to avoid).
   layer_params, head_params, x_MbTD, targets_M = _varying((layer_params, head_params, x_MbTD, targets_M))
-  f32 = jnp.float32
   table = jnp.asarray(sched.table)
   moves = jnp.asarray(ps.sends(sched))  # [ticks, 2]: the same on every device
-  fwd_pairs, bwd_pairs = transfer_pairs(s, v, +1), transfer_pairs(s, v, -1)
+  ticks = _Ticks(stage_fn, head_fn, sched, d, layer_params, head_params, x_MbTD, targets_M,
+                 transfer_pairs(s, v, +1), transfer_pairs(s, v, -1))
   stats_shape = jax.eval_shape(
       lambda: stage_fn(jax.tree.map(lambda a: a[0], layer_params), _varying(x_MbTD[0]))[2])
+  carry = _zero_carry(sched, layer_params, head_params, x_MbTD, stats_shape)
+  carry, _ = jax.lax.scan(ticks.tick, carry, (table, moves))
+  _, _, g_layers, g_head, dx_M, loss, stats = carry
+  return _reduce(sched.microbatches, lp_specs, layer_params, head_params, (g_layers, g_head, dx_M), loss, stats)
 
-  def chunk(params, c):
-    return jax.tree.map(lambda a: a[c], params)
 
-  def stage_value(params, x):
-    y, aux, _ = stage_fn(params, x)
-    return _varying((y, aux.astype(f32)))
+@dataclasses.dataclass(frozen=True, eq=False)  # identity hash: the fields are traced arrays
+class _Ticks:
+  """One tick of the schedule on this device (`tick`, the scan's body), in named steps: the forward, the
+  backward, the transfers. The steps trace their ops in the order `tick` calls them, which is the order the
+  compiled program keeps. `layer_params` ... `targets_M` are the inputs already typed as varying."""
+  stage_fn: StageFn
+  head_fn: HeadFn
+  sched: Schedule
+  d: jax.Array  # this device's stage
+  layer_params: Any
+  head_params: Any
+  x_MbTD: jax.Array
+  targets_M: Any
+  fwd_pairs: list[tuple[int, int]]
+  bwd_pairs: list[tuple[int, int]]
 
-  def tick(carry, xs):
+  def tick(self, carry, xs):
     rows, move = xs
     stash_x, stash_g, g_layers, g_head, dx_M, loss, stats = carry
-    row = rows[d]
-    fc, fm, fs, fg = (jnp.maximum(row[i], 0) for i in (ps.F_CHUNK, ps.F_MB, ps.F_SLOT, ps.F_GSLOT))
-    bc, bm, bs, bg = (jnp.maximum(row[i], 0) for i in (ps.B_CHUNK, ps.B_MB, ps.B_SLOT, ps.B_GSLOT))
+    row = rows[self.d]
+    f = tuple(jnp.maximum(row[i], 0) for i in (ps.F_CHUNK, ps.F_MB, ps.F_SLOT, ps.F_GSLOT))
+    b = tuple(jnp.maximum(row[i], 0) for i in (ps.B_CHUNK, ps.B_MB, ps.B_SLOT, ps.B_GSLOT))
     rx, rg = row[ps.RECV_X], row[ps.RECV_G]
+    send_x, stash_g, g_head, loss, stats = self.forward(row, f, stash_x, (stash_g, g_head, loss, stats))
+    # The backward reads the gradient stash as the forward left it (the head may have just filled a slot).
+    send_g, g_layers, dx_M = self.backward(row, b, stash_x, stash_g, (g_layers, dx_M))
+    recv_x, recv_g = self.transfer(move, send_x, send_g)
+    rxc, rgc = jnp.maximum(rx, 0), jnp.maximum(rg, 0)
+    stash_x = stash_x.at[rxc].set(jnp.where(rx >= 0, recv_x, stash_x[rxc]))
+    stash_g = stash_g.at[rgc].set(jnp.where(rg >= 0, recv_g, stash_g[rgc]))
+    return (stash_x, stash_g, g_layers, g_head, dx_M, loss, stats), None
+
+  def chunk(self, c):
+    return jax.tree.map(lambda a: a[c], self.layer_params)
+
+  def stage_value(self, params, x):
+    y, aux, _ = self.stage_fn(params, x)
+    return _varying((y, aux.astype(jnp.float32)))
+
+  def forward(self, row, f, stash_x, args):
+    """The tick's forward on this device, if it has one (a `lax.cond`): (activation to send, gradient stash,
+    head grads, loss, stats); the last chunk's last stage also runs the head and stashes its gradient."""
+    fc, fm, fs, fg = f
+    d, s, v, f32 = self.d, self.sched.stages, self.sched.virtual, jnp.float32
 
     def forward(args):
       stash_g, g_head, loss, stats = args
-      x = jnp.where((d == 0) & (fc == 0), x_MbTD[fm], stash_x[fs])
-      y, aux, st = stage_fn(chunk(layer_params, fc), x)
+      x = jnp.where((d == 0) & (fc == 0), self.x_MbTD[fm], stash_x[fs])
+      y, aux, st = self.stage_fn(self.chunk(fc), x)
       stats = jax.tree.map(lambda a, b: a + b.astype(f32), stats, st)
 
       def head(args):
         stash_g, g_head, loss = args
-        loss_m, (gh, dy) = jax.value_and_grad(head_fn, argnums=(0, 1))(head_params, y, targets_M[fm])
+        loss_m, (gh, dy) = jax.value_and_grad(self.head_fn, argnums=(0, 1))(self.head_params, y, self.targets_M[fm])
         g_head = jax.tree.map(jnp.add, g_head, gh)
         return stash_g.at[fg].set(dy.astype(stash_g.dtype)), g_head, loss + loss_m.astype(f32)
 
       stash_g, g_head, loss = jax.lax.cond((d == s - 1) & (fc == v - 1), head, _varying,
                                            (stash_g, g_head, loss))
-      return y.astype(x_MbTD.dtype), stash_g, g_head, loss + aux.astype(f32), stats
+      return y.astype(self.x_MbTD.dtype), stash_g, g_head, loss + aux.astype(f32), stats
 
     def no_forward(args):
       stash_g, g_head, loss, stats = args
-      return _varying(jnp.zeros_like(x_MbTD[0])), stash_g, g_head, loss, stats
+      return _varying(jnp.zeros_like(self.x_MbTD[0])), stash_g, g_head, loss, stats
 
-    send_x, stash_g, g_head, loss, stats = jax.lax.cond(row[ps.F_CHUNK] >= 0, forward, no_forward,
-                                                        (stash_g, g_head, loss, stats))
+    return jax.lax.cond(row[ps.F_CHUNK] >= 0, forward, no_forward, args)
+
+  def backward(self, row, b, stash_x, stash_g, args):
+    """The tick's backward on this device, if it has one: recomputes the chunk's forward from the stashed
+    input (`jax.vjp`); (input gradient to send, layer grads, stage-0 input grads)."""
+    bc, bm, bs, bg = b
+    d, x_MbTD = self.d, self.x_MbTD
 
     def backward(args):
       g_layers, dx_M = args
       x = jnp.where((d == 0) & (bc == 0), x_MbTD[bm], stash_x[bs])
-      _, vjp = jax.vjp(stage_value, chunk(layer_params, bc), x)
-      dp, dx = vjp((stash_g[bg], _varying(jnp.ones((), f32))))
-      g_layers = jax.tree.map(lambda g, a: g.at[bc].add(a.astype(f32)), g_layers, dp)
+      _, vjp = jax.vjp(self.stage_value, self.chunk(bc), x)
+      dp, dx = vjp((stash_g[bg], _varying(jnp.ones((), jnp.float32))))
+      g_layers = jax.tree.map(lambda g, a: g.at[bc].add(a.astype(jnp.float32)), g_layers, dp)
       dx = dx.astype(x_MbTD.dtype)
       dx_M = dx_M.at[bm].set(jnp.where((d == 0) & (bc == 0), dx, dx_M[bm]))
       return dx, g_layers, dx_M
@@ -157,20 +198,22 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
       g_layers, dx_M = args
       return _varying(jnp.zeros_like(x_MbTD[0])), g_layers, dx_M
 
-    send_g, g_layers, dx_M = jax.lax.cond(row[ps.B_CHUNK] >= 0, backward, no_backward, (g_layers, dx_M))
+    return jax.lax.cond(row[ps.B_CHUNK] >= 0, backward, no_backward, args)
 
-    if s > 1:  # a transfer runs on every stage or on none: only on ticks where some stage has data to send
-      recv_x = jax.lax.cond(move[0], lambda a: jax.lax.ppermute(a, AXIS, fwd_pairs), _varying, send_x)
-      recv_g = jax.lax.cond(move[1], lambda a: jax.lax.ppermute(a, AXIS, bwd_pairs), _varying, send_g)
-    else:  # one device: chunk c hands over to chunk c+1 on itself
-      recv_x, recv_g = send_x, send_g
-    rxc, rgc = jnp.maximum(rx, 0), jnp.maximum(rg, 0)
-    stash_x = stash_x.at[rxc].set(jnp.where(rx >= 0, recv_x, stash_x[rxc]))
-    stash_g = stash_g.at[rgc].set(jnp.where(rg >= 0, recv_g, stash_g[rgc]))
-    return (stash_x, stash_g, g_layers, g_head, dx_M, loss, stats), None
+  def transfer(self, move, send_x, send_g):
+    """Activations one stage on, gradients one stage back: (received activation, received gradient)."""
+    if self.sched.stages > 1:  # a transfer runs on every stage or on none: only on ticks where some stage sends
+      recv_x = jax.lax.cond(move[0], lambda a: jax.lax.ppermute(a, AXIS, self.fwd_pairs), _varying, send_x)
+      recv_g = jax.lax.cond(move[1], lambda a: jax.lax.ppermute(a, AXIS, self.bwd_pairs), _varying, send_g)
+      return recv_x, recv_g
+    return send_x, send_g  # one device: chunk c hands over to chunk c+1 on itself
 
+
+def _zero_carry(sched: Schedule, layer_params, head_params, x_MbTD: jax.Array, stats_shape) -> tuple:
+  """The tick loop's carry at the start: stashes, float32 gradient accumulators, input grads, loss, stats."""
+  f32 = jnp.float32
   zeros = lambda tree, dtype=None: _varying(jax.tree.map(lambda a: jnp.zeros(a.shape, dtype or a.dtype), tree))
-  carry = (
+  return (
       zeros(jax.ShapeDtypeStruct((sched.x_slots, *x_MbTD.shape[1:]), x_MbTD.dtype)),
       zeros(jax.ShapeDtypeStruct((sched.g_slots, *x_MbTD.shape[1:]), x_MbTD.dtype)),
       zeros(layer_params, f32),
@@ -179,8 +222,12 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
       zeros(jax.ShapeDtypeStruct((), f32)),
       zeros(stats_shape, f32),
   )
-  carry, _ = jax.lax.scan(tick, carry, (table, moves))
-  _, _, g_layers, g_head, dx_M, loss, stats = carry
+
+
+def _reduce(m: int, lp_specs, layer_params, head_params, grads: tuple, loss: jax.Array, stats):
+  """The accumulated figures reduced once, after the last microbatch, over stages and batch shards, and
+  scaled to means: (loss, stats, layer grads, head grads, input grads)."""
+  g_layers, g_head, dx_M = grads
   # The objective is the mean over batch shards of each shard's loss. A gradient is summed over the
   # batch shards that share its parameter (not over `expert` for a local expert's weights: the
   # all-to-all's transpose already brought every shard's share to it) and divided by the shard count.
@@ -203,8 +250,8 @@ def _run(stage_fn: StageFn, head_fn: HeadFn, sched: Schedule, lp_specs, layer_pa
   # all-reduce promotion crashes on a bfloat16 psum written inside shard_map under a mesh context ("Invalid
   # binary instruction opcode copy"); elsewhere in the compute dtype (half the bytes of the step's largest
   # stage collective in bfloat16).
-  wide = f32 if jax.default_backend() == "cpu" else dx_M.dtype
-  dx_M = (stage_sum(dx_M.astype(wide)).astype(f32) * (scale / shards)).astype(dx_M.dtype)  # split over batch shards
+  wide = jnp.float32 if jax.default_backend() == "cpu" else dx_M.dtype
+  dx_M = (stage_sum(dx_M.astype(wide)).astype(jnp.float32) * (scale / shards)).astype(dx_M.dtype)  # over batch shards
   return jax.lax.pmean(stage_sum(loss), bax) * scale, stats, g_layers, g_head, dx_M
 
 
