@@ -6,7 +6,7 @@ import os
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import run_cli
+from support import run_cli
 from microbench.output.run_folder import size_step
 
 FIELDS = {"collective", "scope", "group_size", "num_groups", "dtype", "bytes", "count", "iters", "short_iters",
@@ -77,6 +77,7 @@ def test_sweep_writes_table_jsonl_meta_and_tensorboard(tmp_path):
   assert "| `collectives` | **all_reduce, all_to_all** | all |" in config and "None" not in config
 
 
+@pytest.mark.slow
 def test_explicit_topology_two_dtypes_and_flagfile(tmp_path):
   out = tmp_path / "run"
   flagfile = tmp_path / "sweep.flags"
@@ -144,13 +145,14 @@ def test_bad_input_is_one_clear_line(args, message, tmp_path):
 def test_contradictory_or_idle_flags_of_the_other_commands_are_one_line(module, args, message):
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  from support import ROOT, clean_env  # pylint: disable=g-import-not-at-top
   r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
                      env=clean_env(), cwd=ROOT)
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), r.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,args,message", [
     ("microbench", ["--frobnicate"], "microbench: error: Unknown command line flag 'frobnicate'"),
     ("microbench", ["--samples=lots"], "microbench: error: flag --samples=lots"),
@@ -162,7 +164,7 @@ def test_a_flag_absl_rejects_is_one_clear_line(module, args, message):
   checks (absl's default is a FATAL line plus a hint, exit 1)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  from support import ROOT, clean_env  # pylint: disable=g-import-not-at-top
   r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60,
                      env=clean_env(), cwd=ROOT)
   lines = r.stderr.strip().splitlines()
@@ -200,6 +202,7 @@ def test_wrong_results_fail_the_run(tmp_path, parsed_flags, monkeypatch):
   assert all(r["wrong"] == 0 for r in recs if r["collective"] == "all_reduce")
 
 
+@pytest.mark.slow
 def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   out = tmp_path / "run"
   args = ["--collectives=all_reduce,all_gather", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=8K",
@@ -219,6 +222,7 @@ def test_crash_keeps_finished_points_and_resume_completes_the_sweep(tmp_path):
   assert meta["status"] == "finished" and len(meta["resumed_at"]) == 1
 
 
+@pytest.mark.slow
 def test_a_hang_in_a_single_process_is_recorded_and_ends_the_run(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--collectives=ppermute", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=2K", "--iters=6",
@@ -230,6 +234,7 @@ def test_a_hang_in_a_single_process_is_recorded_and_ends_the_run(tmp_path):
   assert json.loads((out / "meta.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_sizes_rounding_to_one_count_make_one_point(tmp_path):
   """On groups of 3, 4, 8 and 12 bytes all round to 3 float32 elements: one point, one TensorBoard step."""
   out = tmp_path / "run"
@@ -253,7 +258,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
   import subprocess
   import sys
   import time
-  from conftest import ROOT, clean_env
+  from support import ROOT, clean_env
 
   out = tmp_path / "run"
   proc = subprocess.Popen([sys.executable, "-m", "microbench", "--collectives=all_reduce", "--scopes=scale_up",
@@ -273,6 +278,7 @@ def test_sigterm_mid_sweep_leaves_valid_outputs(tmp_path):
   assert json.loads((out / "meta.json").read_text())["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_reduction_operators_and_fp8_in_one_sweep(tmp_path):
   """--op=all runs every operator of both reductions, each checked exactly (the check program and, for the
   idempotent max and min, the timed programs' chained output too); fp8 runs the data-moving collectives and
@@ -309,6 +315,7 @@ def test_profile_points_trace_the_chosen_point_into_the_run_folder(tmp_path):
   assert b"step_num" in traces[0].read_bytes()  # step markers (the Overview Page reads them: no "no step marker")
 
 
+@pytest.mark.slow
 def test_max_bytes_auto_is_4m_on_cpu_and_never_below_min_bytes(tmp_path):
   """The default range ends at 4M on CPU devices, 16M on GPUs; a --min_bytes past it is a one-size sweep."""
   from microbench.bench import sizes
@@ -360,6 +367,7 @@ def test_a_point_that_fails_to_run_fails_the_run(tmp_path, parsed_flags, monkeyp
                            flag_values={"distributed": False}) == 0
 
 
+@pytest.mark.slow
 def test_nccl_debug_captures_into_the_run_folder_and_says_when_there_is_nothing(tmp_path):
   """On CPU no NCCL runs: the capture folder exists, meta.json's `nccl` says no INFO lines were written and
   why, and the sweep is unchanged."""

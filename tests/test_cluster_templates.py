@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from support import ROOT
 from microbench.bench import sizes
 from microbench.report import nccl_tests
 
@@ -190,17 +190,13 @@ if "-J" in opt:
 '''
 
 
-def _slurm_problem() -> str | None:
-  import test_slurm  # pylint: disable=g-import-not-at-top
-  return test_slurm.PROBLEM
-
-
-@pytest.mark.skipif(_slurm_problem() is not None, reason=f"no SLURM on the emulated cluster: {_slurm_problem()}")
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_the_nccl_tests_template_under_slurm(tmp_path):
   import shutil  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
-  from conftest import clean_env  # pylint: disable=g-import-not-at-top
+  from support import clean_env  # pylint: disable=g-import-not-at-top
   from microbench.cluster import slurm_testbed as stb  # pylint: disable=g-import-not-at-top
   from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
   tests_dir = tmp_path / "nccl-tests"

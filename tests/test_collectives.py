@@ -335,6 +335,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     hlo_check.verify_groups(text, "all-reduce", np.array([[0, 1]]))
 
 
+@pytest.mark.slow
 def test_the_timed_check_compares_what_was_timed_and_says_so(mesh):
   """Every collective and operator, float32 and int32: 36 repetitions (both programs' twins first, then two
   pairs of the 2- and 10-repetition programs) all compared on CPU."""

@@ -16,7 +16,7 @@ import re
 import jax
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes.mesh import build_mesh, ordered_devices
 from microbench.meshes.scopes import SCOPES, plan_scopes
 from microbench.meshes.topology import AXES, Topology
@@ -225,6 +225,8 @@ def _depth(line: str) -> int:
   return len(line) - len(line.lstrip())
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_with_the_flag_the_collective_and_the_loop_run_inside_a_command_buffer(h100, tmp_path):
   _, mesh, plans = h100
@@ -243,6 +245,8 @@ def test_with_the_flag_the_collective_and_the_loop_run_inside_a_command_buffer(h
   assert long.verified.command_buffer["loops"] == long.verified.command_buffer["loops_inside"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_without_the_flag_nothing_is_in_one_and_the_check_fails_when_yes_is_expected(h100, tmp_path):
   _, mesh, plans = h100
@@ -253,6 +257,8 @@ def test_without_the_flag_nothing_is_in_one_and_the_check_fails_when_yes_is_expe
     hlo_check.verify_command_buffer(_verified(), text, on=True, loop=True)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_description_without_cuda_versions_keeps_collectives_out_and_fails_the_point(monkeypatch):
   """What XLA does on a driver or runtime older than 12.3 (and did on every deviceless compile before the
@@ -267,6 +273,8 @@ def test_a_description_without_cuda_versions_keeps_collectives_out_and_fails_the
   assert gpu_compile.with_cuda_versions("gpu_device_info {\n}", None) == "gpu_device_info {\n}"
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_target_sweep_with_both_compiles_and_checks_both_arms(tmp_path):
   out = tmp_path / "run"
@@ -290,6 +298,8 @@ def test_a_target_sweep_with_both_compiles_and_checks_both_arms(tmp_path):
   assert meta["flags"]["command_buffer"] == "both"
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_users_own_xla_dump_still_gets_the_programs(h100, tmp_path, monkeypatch):
   """The per-compile xla_dump_to outranks XLA_FLAGS: the program's dump is copied where the user asked."""

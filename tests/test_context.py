@@ -67,6 +67,7 @@ def reference():
   return lambda causal=True: cache.setdefault(causal, _value_and_grads(None, "ring", causal))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,axes,causal", [
     ("ring", {"context": 4}, True),
     ("ring", {"context": 8}, False),

@@ -4,8 +4,12 @@ import json
 import os
 import time
 
-from conftest import finish_job, start_job
+import pytest
+
+from support import finish_job, start_job
 from microbench.output.run_folder import latest
+
+pytestmark = pytest.mark.slow
 
 
 def _records(outdir):
@@ -120,7 +124,7 @@ def test_training_runs_as_a_distributed_job(tmp_path):
   """microbench-train across 2 processes x 2 devices (dp x tp) matches the same run in one process."""
   import subprocess
   import sys
-  from conftest import ROOT, clean_env
+  from support import ROOT, clean_env
 
   common = ["--model=gpt2", "--size=tiny", "--batch=4", "--seq_len=32", "--steps=3", "--warmup_steps=1"]
   out = tmp_path / "dist"
@@ -148,7 +152,7 @@ def test_a_study_preset_runs_across_processes_with_the_launcher(tmp_path):
   same preset in one process of 8 devices."""
   import subprocess
   import sys
-  from conftest import ROOT, clean_env
+  from support import ROOT, clean_env
 
   common = ["--preset=study-dp-pp", "--steps=3", "--warmup_steps=1", "--nomeasure_overheads"]
   runs = {}

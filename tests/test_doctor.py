@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env
+from support import clean_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -238,11 +238,12 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
   assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_doctor_job_runs_every_rail_and_the_scale_up_with_correct_results(tmp_path):
   """Two local processes of 4 devices each, described as Leonardo nodes (4 NICs): 4 rails, one program per
   rail per kind, the node-local all-reduce, repeated operations (--reps=2); every result checked (a wrong one
   is a WRONG RESULT line), and the verdict written. Loopback is not a fabric: only the mechanics are tested."""
-  from conftest import finish_job, start_job  # pylint: disable=g-import-not-at-top
+  from support import finish_job, start_job  # pylint: disable=g-import-not-at-top
   procs = start_job(["--fabric=leonardo", f"--out={tmp_path}", "--p2p_bytes=64K", "--samples=2", "--reps=2"], 2,
                     devices_per_process=4, hosts=["n0", "n1"], module="microbench.cli.doctor")
   results = finish_job(procs, timeout=240)
@@ -257,23 +258,6 @@ def test_doctor_job_runs_every_rail_and_the_scale_up_with_correct_results(tmp_pa
 
 
 # ------------------------------------------------------------------------------------------- the emulated cluster
-def _netns_problem() -> str | None:
-  from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  problem = tbm.permission_problem()
-  if problem:
-    return problem
-  name = f"tbprobe{secrets.token_hex(2)}-sw"
-  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-  return None
-
-
-NETNS_PROBLEM = _netns_problem()
-needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"testbed cannot run: {NETNS_PROBLEM}")
 RATES = ["--host_rate=200mbit", "--uplink_rate=200mbit"]
 
 
@@ -287,7 +271,9 @@ def _doctor_on_testbed(tmp_path, hosts: int, racks: int, *faults: str) -> tuple[
   return r, json.load(open(out / "doctor.json", encoding="utf-8"))
 
 
-@needs_netns
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 @pytest.mark.parametrize("hosts,racks,fault,part", [
     (4, 2, "h2:rate=0.25", "h2"),
     (8, 4, "uplink1:rate=0.25", "uplink1"),
@@ -301,7 +287,9 @@ def test_doctor_names_the_planted_part_on_the_testbed(tmp_path, hosts, racks, fa
   assert f"BAD {part}" in r.stdout
 
 
-@needs_netns
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_doctor_names_nothing_on_a_healthy_testbed_under_load(tmp_path):
   hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
   try:
@@ -316,15 +304,9 @@ def test_doctor_names_nothing_on_a_healthy_testbed_under_load(tmp_path):
       h.wait()
 
 
-def _slurm_problem() -> str | None:
-  from microbench.cluster import slurm_testbed as stb  # pylint: disable=g-import-not-at-top
-  return NETNS_PROBLEM or stb.missing_parts()
-
-
-SLURM_PROBLEM = _slurm_problem()
-
-
-@pytest.mark.skipif(SLURM_PROBLEM is not None, reason=f"no SLURM on the emulated cluster: {SLURM_PROBLEM}")
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_doctor_through_slurm_names_the_planted_part(tmp_path, tmp_path_factory):
   """scripts/slurm_doctor.sbatch on a SLURM of 4 testbed hosts in 2 racks with h3's link at a quarter of its
   rate: srun starts one doctor per node in the allocation, the job fails with exit 1 and names h3."""

@@ -50,6 +50,7 @@ def _run(model: str, strategy: str, **kw) -> tuple[list[float], dict[str, np.nda
   return sgd_run(make_trainer(model, strategy, tx=sgd(0.0), **kw), model, **ref_kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,strategy", CASES)
 def test_gradients_and_sgd_losses_match_single_device(model, strategy):
   losses1, g1 = _run(model, "dp:1")
@@ -79,6 +80,7 @@ PARALLEL_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,strategy,execution,ref_accum,layers", PARALLEL_CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2].context_impl if 'cp' in c[1] else c[2].schedule}"
                               for c in PARALLEL_CASES])
@@ -91,6 +93,7 @@ def test_pipeline_expert_and_context_parallel_gradients_match_single_device(mode
   np.testing.assert_allclose(losses, losses1, rtol=2e-6)
 
 
+@pytest.mark.slow
 def test_layout_and_remat_choices_leave_gradients_unchanged():
   """Scan vs unrolled layers and the remat policies are the same computation."""
   _, ref = _run("gpt2", "dp:2,fsdp:2,tp:2")
@@ -99,6 +102,7 @@ def test_layout_and_remat_choices_leave_gradients_unchanged():
     assert_grads_match(g, ref, what=str(ex))
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_the_big_batch():
   big_losses, big = _run("gpt2", "dp:2,fsdp:2", batch=16)
   micro_losses, micro = _run("gpt2", "dp:2,fsdp:2", batch=16, grad_accum=4)
@@ -199,6 +203,7 @@ PLANTED = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,plant,model,strategy,execution,ref_accum,layers", PLANTED, ids=[p[0] for p in PLANTED])
 def test_planted_pipeline_context_and_expert_bugs_fail_the_gradient_check(monkeypatch, what, plant, model, strategy,
                                                                           execution, ref_accum, layers):

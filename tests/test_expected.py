@@ -12,7 +12,7 @@ from microbench.meshes.topology import Topology
 from microbench.fabric import collective_model as fabric_collectives
 from microbench.fabric import description, expected
 from microbench.output import table
-from tests.conftest import run_cli
+from support import run_cli
 
 
 def _models(fab, topo: Topology, scopes=("scale_up", "scale_out", "rack_scale", "global")):
@@ -126,6 +126,7 @@ def test_a_sweep_records_the_expectation_in_rows_csv_and_meta(tmp_path):
   assert meta["scopes"]["scale_out"]["shape"] == "1x2x2x1" and meta["scopes"]["scale_out"]["fabric"]
 
 
+@pytest.mark.slow
 def test_fabric_none_and_a_bad_fabric(tmp_path):
   r = run_cli(["--collectives=all_reduce", "--max_bytes=4K", "--samples=2", "--fabric=none",
                f"--outdir={tmp_path / 'a'}"])

@@ -210,6 +210,7 @@ def test_report_predicts_on_a_fabric_with_algorithm_and_bottleneck():
   assert "# assumed: link-rate bound" in r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, msg", [
     (("--fabric=dgx", "--gpus=8"), "--fabric needs --predict"),
     (("--fabric=dgx", "--gpus=0", "--predict=1M"), "not a positive number of GPUs"),
@@ -226,7 +227,7 @@ def test_a_sweep_takes_its_link_peaks_from_the_fabric(tmp_path):
   """One description: `microbench --fabric=dgx` reports against the same links the predictions use, and
   --link_peaks still wins per level."""
   import json  # pylint: disable=g-import-not-at-top
-  from conftest import run_cli  # pylint: disable=g-import-not-at-top
+  from support import run_cli  # pylint: disable=g-import-not-at-top
   out = tmp_path / "run"
   r = run_cli(["--collectives=all_reduce", "--scopes=scale_up", "--min_bytes=1K", "--max_bytes=1K", "--iters=6",
                "--samples=3", "--fabric=dgx", "--link_peaks=scale_out:ndr", f"--outdir={out}"])
@@ -305,6 +306,7 @@ def test_a_hop_across_racks_is_the_uplinks_own():
   assert "hop across it 400 us" in " ".join(fab.describe())
 
 
+@pytest.mark.slow
 def test_report_fits_the_fabric_from_a_run_folder(tmp_path):
   import json  # pylint: disable=g-import-not-at-top
   from microbench.report import alpha_beta  # pylint: disable=g-import-not-at-top

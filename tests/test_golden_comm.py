@@ -105,6 +105,7 @@ def test_golden_file_covers_every_case(golden):
   assert sorted(golden["fingerprints"]) == sorted([_key(*c) for c in CASES] + [f"preset {n}" for n in PRESETS])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,strategy,extra", CASES, ids=[_key(*c) for c in CASES])
 def test_comm_fingerprint_matches_golden(golden, model, strategy, extra):
   want = golden["fingerprints"][_key(model, strategy, extra)]
@@ -115,6 +116,7 @@ def test_comm_fingerprint_matches_golden(golden, model, strategy, extra):
       "If intended, regenerate: python -m pytest tests/test_golden_comm.py --update-golden")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_comm_fingerprint_matches_golden(golden, name):
   want = golden["fingerprints"][f"preset {name}"]

@@ -18,7 +18,6 @@ from microbench.study import impact as im
 from microbench.study import machines as mm
 from microbench.study import predict as pr
 
-from conftest import netns_problem
 
 TESTBED = "testbed:racks=4,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
 ISOLATED = [1.0] * 9 + [2.0]
@@ -154,6 +153,7 @@ def study(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                         timeout=timeout, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["--canary=dp@0,2", "--congestors=nosuch@1,3"], "unknown congestor 'nosuch'"),
     (["--canary=all_reduce@0,2", "--congestors=alltoall@1,3"], "needs its size"),
@@ -176,11 +176,12 @@ def test_prediction_only_writes_the_report(tmp_path):
   assert "Not measured" in open(os.path.join(tmp_path, "report.md")).read()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["incast", "permutation"])
 def test_the_proxy_runs_a_congestor_program(tmp_path, kind):
   """Three local processes run the congestor for real (incast: two pair communicators started at once by
   its root); process 0 records each round."""
-  from conftest import finish_job, start_job  # pylint: disable=g-import-not-at-top
+  from support import finish_job, start_job  # pylint: disable=g-import-not-at-top
   out = str(tmp_path / "c.jsonl")
   procs = start_job(["proxy", f"--congestor={kind}", "--message_bytes=64K", "--iters=3", "--warmup=0",
                      f"--out={out}"], 3, module="microbench.cli.study")
@@ -198,10 +199,9 @@ def test_coverage_of_the_canary_window():
   assert gpcnet.coverage((20.0, 30.0), rounds, stopped=31.0) == 1.0  # still in its next round when stopped
 
 
-NETNS = netns_problem()
-
-
-@pytest.mark.skipif(NETNS is not None, reason=f"the emulated cluster cannot run here: {NETNS}")
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_an_alltoall_across_the_canary_uplink_raises_its_impact_factor_on_the_testbed(tmp_path):
   """A 2-host all-reduce canary across racks 0 and 1, then beside an all-to-all on the two other hosts of
   those racks: both cross the same shaped uplinks, so the canary's mean slows by about 2 (1.71 and 1.99 measured)."""

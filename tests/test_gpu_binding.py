@@ -14,7 +14,7 @@ import tempfile
 
 import pytest
 
-from conftest import ROOT, clean_env
+from support import ROOT, clean_env
 from microbench.cluster import binding, environment
 
 SLURM8 = {"SLURM_STEP_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}  # two nodes of 8 tasks, on the second
@@ -265,12 +265,8 @@ def test_a_run_records_its_binding(tmp_path):
 
 # SLURM's own variables: a real SLURM (22.05 in CI) on the emulated cluster, its GPUs character devices so that
 # slurmd accepts them and sets CUDA_VISIBLE_DEVICES and the rest as it does on a GPU node.
-def _slurm_problem() -> str | None:
-  import test_slurm  # pylint: disable=g-import-not-at-top
-  return test_slurm.PROBLEM
-
-
-@pytest.mark.skipif(_slurm_problem() is not None, reason=f"no SLURM on the emulated cluster: {_slurm_problem()}")
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_slurm_binding_options_map_each_task_to_its_own_gpus():
   from microbench.cluster import slurm_testbed as stb  # pylint: disable=g-import-not-at-top
   from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top

@@ -4,7 +4,11 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env
+import pytest
+
+from support import ROOT, clean_env
+
+pytestmark = pytest.mark.slow
 
 
 def test_gpu_check_smoke_on_cpu(tmp_path):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes.mesh import build_mesh
 from microbench.meshes.scopes import plan_scopes
 from microbench.meshes.topology import AXES, Topology
@@ -75,6 +75,8 @@ def test_fit_is_against_what_jax_gets_of_the_device(monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ the sweep
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_sweep_compiles_every_collective_and_scope_for_h100_with_every_check_passing(tmp_path):
   out = tmp_path / "run"
@@ -96,6 +98,8 @@ def test_sweep_compiles_every_collective_and_scope_for_h100_with_every_check_pas
   assert "compiled for NVIDIA H100" in r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_point_too_large_for_the_device_is_reported_as_such(tmp_path):
   out = tmp_path / "run"
@@ -140,6 +144,8 @@ def _expect(topology, scope="scale_up", dtype="bfloat16", count=4096, reps=10):
                                executions=reps, in_loop=True, outside_max=2, copy_limit=count, widen_ok=False)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_the_real_timed_program_passes_on_gpu_hlo(gpu_mesh):
   topology, mesh = gpu_mesh
@@ -148,6 +154,8 @@ def test_the_real_timed_program_passes_on_gpu_hlo(gpu_mesh):
   assert prog.verified.executions == 10 and prog.verified.in_loop == 10 and prog.verified.trip_counts == (5, 5)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_loop_without_known_trip_count_fails_on_gpu_hlo(gpu_mesh):
   topology, mesh = gpu_mesh
@@ -160,6 +168,8 @@ def test_a_loop_without_known_trip_count_fails_on_gpu_hlo(gpu_mesh):
     hlo_check.verify(text, _expect(topology, reps=5))
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_message_sized_copy_in_the_loop_body_fails_on_gpu_hlo(gpu_mesh):
   topology, mesh = gpu_mesh
@@ -174,6 +184,8 @@ def test_a_message_sized_copy_in_the_loop_body_fails_on_gpu_hlo(gpu_mesh):
     hlo_check.verify(text, _expect(topology, reps=5))
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_widened_wire_dtype_fails_on_gpu_hlo(gpu_mesh):
   """bf16 asked, the psum run in f32: passed on CPU (XLA widens there), must fail on a GPU target."""
@@ -186,6 +198,8 @@ def test_a_widened_wire_dtype_fails_on_gpu_hlo(gpu_mesh):
     hlo_check.verify(text, _expect(topology, reps=5))
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_wrong_group_fails_on_gpu_hlo(gpu_mesh):
   topology, mesh = gpu_mesh
@@ -206,6 +220,8 @@ def _train(**kw):
   return train.run(cfg).summary
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_train_target_reports_gpu_memory_fit_and_fsdp_reduce_scatter():
   small = _train(model="gpt2", size="tiny", parallelism="fsdp:8", batch=8, target="h100", topology="nodes:1,gpus:8")
@@ -220,13 +236,15 @@ def test_train_target_reports_gpu_memory_fit_and_fsdp_reduce_scatter():
   assert big["comm"]["reduce-scatter"]["bytes"] == pytest.approx(2 * big["params"], rel=0.01)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_study_schedule_derived_from_gpu_hlo():
   """--target: the derived FSDP proxy from XLA:GPU's HLO reduce-scatters in bf16 (on CPU the gradient is an
   all-reduce in f32)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  from support import ROOT, clean_env  # pylint: disable=g-import-not-at-top
   def schedule(proxy_from: str) -> dict:
     r = subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
                         f"--proxy_from={proxy_from}", "--gpus=8", "--target=h100"], capture_output=True, text=True,
@@ -281,6 +299,8 @@ def _preset_names():
   return list(presets.PRESETS)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 @pytest.mark.parametrize("name", _preset_names())
 def test_gpu_preset_fingerprint_matches_golden(gpu_golden, name):
@@ -366,6 +386,8 @@ def test_a_collective_inside_an_async_call_is_counted_once():
   assert hlo_check.verify(CALL_START, exp).executions == 1
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_a_reversing_feedback_fails_on_gpu_hlo_in_bfloat16(gpu_mesh):
   """On GPUs the check is strict in every dtype: a bf16 timed step that reverses the buffer fails."""
@@ -382,6 +404,8 @@ def test_a_reversing_feedback_fails_on_gpu_hlo_in_bfloat16(gpu_mesh):
     program.build_timed(Reversing(), mesh, plan_scopes(topology, ["scale_up"])[0], 4096, "bfloat16", 10)
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 @pytest.mark.parametrize("count", [4096, 1 << 20])
 def test_on_gpus_an_all_reduce_must_chain_undigested(gpu_mesh, count):
@@ -407,6 +431,8 @@ def test_on_gpus_an_all_reduce_must_chain_undigested(gpu_mesh, count):
 
 # ------------------------------------------------------------------------------ operators and fp8 on XLA:GPU
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("base", ["all_reduce", "reduce_scatter"])
 def test_every_reduction_operator_compiles_to_its_nccl_reduction(gpu_mesh, base):
   """max, min, prod and avg compile for H100 to the async collective with that reduction computation, in the
@@ -431,6 +457,8 @@ def test_every_reduction_operator_compiles_to_its_nccl_reduction(gpu_mesh, base)
       assert any(float(c.split("constant(")[1].split(")")[0]) == recip for c in consts), consts
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_fp8_data_collectives_run_in_fp8_on_gpus(gpu_mesh, dtype):
   """all_gather, all_to_all, ppermute and broadcast keep fp8 on the wire (XLA:CPU widens it to float16)."""

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes.mesh import build_mesh, ordered_devices
 from microbench.meshes.scopes import SCOPES, plan_scopes
 from microbench.meshes.topology import Topology
@@ -151,6 +151,7 @@ def test_an_in_place_collective_wrong_in_timed_repetitions_is_caught(mesh):
   assert wrong == jax.device_count(), note
 
 
+@pytest.mark.slow
 def test_cli_refuses_what_has_no_meaning_in_one_line_and_skips_small_groups(tmp_path):
   r = run_cli(["--root=-1"])
   assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
@@ -169,6 +170,8 @@ def test_cli_refuses_what_has_no_meaning_in_one_line_and_skips_small_groups(tmp_
 
 # ------------------------------------------------------------------------------------------- on a GPU target
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @pytest.mark.skipif(not gpu_compile.plugin_available(), reason="JAX's CUDA PJRT plugin is not installed")
 def test_on_gpus_all_reduce_and_broadcast_run_in_place_and_the_others_copy_back(tmp_path):
   """XLA:GPU's own compiled programs: all-reduce and collective-broadcast write their operand's buffer (no

@@ -64,6 +64,7 @@ def _narrow_sums(windows: list[np.ndarray], narrow: str) -> list[np.ndarray]:
   return np.split(acc, ends[:-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sum_inputs_catch_every_broken_reduction_at_every_group_size(dtype):
   failures, pending = [], {True: [], False: []}
@@ -206,6 +207,7 @@ def _finish(op: str, dtype: str, n: int, values: np.ndarray) -> np.ndarray:
     return _cast(values, dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32", "int32"))
 @pytest.mark.parametrize("op", OPS)
 def test_every_operator_catches_every_broken_reduction_at_every_group_size(op, dtype):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import interrupt_when_ready
+from support import interrupt_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = ["-m", "microbench.cli.launch"]  # the microbench-launch console script
@@ -60,6 +60,7 @@ def test_two_processes_two_devices(tmp_path):
   assert f"logs in {tmp_path}" in r.stderr
 
 
+@pytest.mark.slow
 def test_four_processes_as_two_fake_hosts(tmp_path):
   r = launch(["--num_processes=4", "--processes_per_host=2", f"--log_dir={tmp_path}"])
   assert r.returncode == 0, r.stderr[-3000:]
@@ -75,6 +76,7 @@ def test_env_only(tmp_path):
   assert "psum=3.0 expected=3.0 OK" in read(tmp_path / "rank1.log")
 
 
+@pytest.mark.slow
 def test_failed_rank_is_named_and_others_stopped(tmp_path):
   start = time.monotonic()
   r = launch(["--num_processes=3", f"--log_dir={tmp_path}"],
@@ -86,6 +88,7 @@ def test_failed_rank_is_named_and_others_stopped(tmp_path):
   assert_all_dead(str(tmp_path), 3)  # ranks 0 and 2 were waiting for rank 1 in jax.distributed
 
 
+@pytest.mark.slow
 def test_timeout_stops_everything(tmp_path):
   start = time.monotonic()
   r = launch(["--num_processes=2", "--timeout=4", "--grace=1", f"--log_dir={tmp_path}"],
@@ -96,6 +99,7 @@ def test_timeout_stops_everything(tmp_path):
   assert_all_dead(str(tmp_path), 2)
 
 
+@pytest.mark.slow
 def test_sigint_stops_all_children(tmp_path):
   proc = subprocess.Popen([sys.executable, *LAUNCHER, "--num_processes=2", "--grace=1", f"--log_dir={tmp_path}",
                            "--", sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
@@ -107,6 +111,7 @@ def test_sigint_stops_all_children(tmp_path):
   assert_all_dead(str(tmp_path), 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["--num_processes=2"],  # no command
     ["--", "true"],  # no --num_processes
@@ -131,6 +136,8 @@ def test_cluster_templates_are_valid_bash(name):
     assert "--distributed" in text
 
 
+@pytest.mark.slow
+@pytest.mark.cluster
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI's mpirun is not installed")
 def test_mpirun_example_on_localhost(tmp_path):
   hostfile = tmp_path / "hosts"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ROOT, clean_env
+from support import ROOT, clean_env
 from microbench.bench import collectives, known_inputs, matrix, mutants, program
 
 SEED = 2026
@@ -186,7 +186,7 @@ def test_in_place_keeps_a_users_registered_class():
 
 
 def test_command_buffers_refuse_the_ragged_all_to_all_in_one_line():
-  from conftest import run_cli  # pylint: disable=import-outside-toplevel
+  from support import run_cli  # pylint: disable=import-outside-toplevel
   r = run_cli(["--collectives=ragged_all_to_all_skewed", "--command_buffer=yes"])
   assert r.returncode == 2 and "outside command buffers" in r.stderr.strip().splitlines()[-1]
 

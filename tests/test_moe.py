@@ -94,6 +94,7 @@ def test_capacity():
   assert moe.capacity(64, dataclasses.replace(cfg, capacity_factor=0)) == 64  # dropless
 
 
+@pytest.mark.slow
 def test_overflowing_tokens_are_dropped_and_counted():
   """Every token prefers experts 0 then 1: each keeps C of its G assignments, the rest are dropped and
   their outputs are zero."""
@@ -107,6 +108,7 @@ def test_overflowing_tokens_are_dropped_and_counted():
   assert np.all(np.abs(np.asarray(y[0, :8])) > 0) and np.all(np.asarray(y[0, 8:]) == 0)  # first come first served
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [
     {"expert": 8},
     {"data": 2, "expert": 4},
@@ -164,12 +166,14 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 RAGGED = dataclasses.replace(CFG, moe=dataclasses.replace(CFG.moe, dispatch="ragged_all_to_all"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes", [None, {"expert": 8}, {"data": 2, "expert": 4}])
 def test_ragged_dispatch_matches_one_device(reference, monkeypatch, axes):
   monkeypatch.setattr(moe, "ragged_exchange", _emulated_ragged_all_to_all)
   _assert_same(_grads(axes, RAGGED), reference)
 
 
+@pytest.mark.slow
 def test_planted_ragged_offset_bug_fails_the_check(reference, monkeypatch):
   def shifted(operand, output, io, ss, oo, rs, axis):  # every slice lands one row late
     return _emulated_ragged_all_to_all(operand, output, io, ss, oo + 1, rs, axis)
@@ -206,6 +210,7 @@ def _train(parallelism: str):
   return train.run(cfg, train.plan(cfg, jax.devices()[:n]))
 
 
+@pytest.mark.slow
 def test_trainer_runs_expert_parallel_like_one_device():
   one, ep = _train("dp:1"), _train("dp:2,ep:4")
   assert ep.losses[-1] < ep.losses[0]

@@ -180,6 +180,7 @@ def test_reference_inputs_drop_first_and_second_choices():
   assert len(np.unique(v["x"])) == v["x"].size  # no repeated value anywhere
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n][1] == 1])
 def test_layer_drops_the_assignments_the_reference_drops(name, monkeypatch):
   v = _inputs()
@@ -191,6 +192,7 @@ def test_layer_outputs_and_losses_match_the_reference(name):
   _assert_within(value_mismatches(name), RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["top2-capacity", "top1-capacity", "top2-capacity-2-groups"])
 def test_layer_gradients_match_the_reference(name):
   _assert_within(grad_mismatches(name), GRAD_RTOL)
@@ -223,6 +225,7 @@ PLANTED = [("top-k weights not renormalised", "top2-capacity"), ("top-k weights 
            ("combine weights applied twice", "top2-capacity"), ("combine weights applied twice", "top2-dropless")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plant,name", PLANTED)
 def test_planted_bugs_fail_the_reference(plant, name, monkeypatch):
   monkeypatch.setattr(moe, *PLANTS[plant])

@@ -5,7 +5,11 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT, clean_env
+import pytest
+
+from support import ROOT, clean_env
+
+pytestmark = pytest.mark.slow
 
 WRONG = ("all_reduce missing", "all_reduce counting", "reduce_scatter missing", "reduce_scatter counting",
          "all_gather with", "all_to_all with", "broadcast from", "ppermute shifted", "all_reduce that never",

@@ -286,6 +286,7 @@ def test_intervals_hold_together_over_the_points():
   assert many["lo"] < alone["lo"] and many["hi"] > alone["hi"]
 
 
+@pytest.mark.slow
 def test_report_draws_json_output_beside_a_sweep_in_a_figure_and_tensorboard(tmp_path):
   """`microbench-report RUN --nccl_tests=ar.json`: the table, OUT/nccl_tests.png, and the TensorBoard run
   OUT/nccl-tests whose busbw tags are the sweep's own (so its charts draw nccl-tests beside JAX) with the ratio
@@ -295,7 +296,7 @@ def test_report_draws_json_output_beside_a_sweep_in_a_figure_and_tensorboard(tmp
   import sys  # pylint: disable=g-import-not-at-top
   from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
   from tensorboard.plugins.custom_scalar import layout_pb2  # pylint: disable=g-import-not-at-top
-  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  from support import ROOT, clean_env  # pylint: disable=g-import-not-at-top
   from microbench.output import run_folder  # pylint: disable=g-import-not-at-top
   from test_report import synthetic_records, write_sweep  # pylint: disable=g-import-not-at-top
   recs = synthetic_records(20.0, 40.0, collectives=("all_reduce",), scopes=(("scale_up", 2),),

@@ -75,6 +75,7 @@ def test_tensorboard_leaves_an_unresolved_share_out_and_keeps_its_interval(monke
   assert seen["summary/all_to_all_share_ci_high"] == 0.33
 
 
+@pytest.mark.slow
 def test_pipelined_run_reports_the_bubble_with_its_interval():
   from microbench import train  # pylint: disable=g-import-not-at-top
   cfg = train.TrainConfig(model="llama3", size="tiny", parallelism="pp:2", batch=4, seq_len=16, microbatches=2,

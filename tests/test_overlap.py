@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes.mesh import build_mesh, ordered_devices
 from microbench.meshes.scopes import plan_scopes
 from microbench.meshes.topology import AXES, Topology
@@ -161,6 +161,7 @@ def test_a_both_arm_that_writes_the_message_besides_the_collective_fails_its_hlo
 
 # ------------------------------------------------------------------------------------------ end to end on CPU
 
+@pytest.mark.slow
 def test_overlap_mode_end_to_end_on_8_cpu_devices(tmp_path):
   out = tmp_path / "run"
   r = run_cli(["--overlap=auto", "--collectives=all_reduce,all_to_all", "--scopes=scale_up", "--min_bytes=64K",
@@ -290,6 +291,8 @@ def _window_order(lines: list[str]) -> list[str]:
   return ["start" if "-start" in s else "done" if "-done" in s else "matmul" for s in lines]
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 @pytest.mark.parametrize("name", ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "ppermute"])
 def test_on_gpus_the_matmul_runs_between_the_collectives_start_and_done(gpu_mesh, name):
@@ -306,6 +309,8 @@ def test_on_gpus_the_matmul_runs_between_the_collectives_start_and_done(gpu_mesh
   assert {w.computation for w in async_windows.windows(both.hlo_text)} <= bodies  # inside the timed loop
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_on_gpus_a_matmul_that_needs_the_collectives_output_is_reported_serialised(gpu_mesh):
   """The mutant: the matmul reads the collective's output, so it can only start after the done; the
@@ -330,6 +335,8 @@ def test_on_gpus_a_matmul_that_needs_the_collectives_output_is_reported_serialis
   assert got["overlap_scheduled"] is False and "serialised with the collective" in got["overlap_schedule"], got
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_target_sweep_records_the_schedule_read_from_xlas_own_dump(tmp_path):
   """`--target --overlap`: the record's schedule is the one in XLA:GPU's dump of the compiled both arm."""

@@ -87,6 +87,7 @@ def test_schedule_refusals(args, line):
   assert str(e.value).startswith(line) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_schedule_and_mesh_must_agree():
   with pytest.raises(ps.ScheduleError, match="the schedule is for 4 stages but the mesh's `stage` axis has 2"):
     _pipelined(4, {"stage": 2}, ps.make_schedule("1f1b", 4, 4), lower_only=True)
@@ -199,6 +200,7 @@ def reference():
   return lambda layers: cache.setdefault(layers, _reference_grads(layers))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,axes,m,v,layers", [
     ("gpipe", {"stage": 4, "data": 2}, 4, 1, 4),  # pp + dp
     ("1f1b", {"stage": 2, "data": 2, "tensor": 2}, 4, 1, 4),  # pp + dp + tp
@@ -226,6 +228,7 @@ def _swap_two_microbatches_on_stage1(t):
   t[rows, 1, ps.F_MB] = t[rows[::-1], 1, ps.F_MB]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutate", [_drop_last_backward_of_stage0, _swap_two_microbatches_on_stage1])
 def test_planted_schedule_bugs_fail_the_check(reference, mutate):
   sched = _broken(ps.make_schedule("1f1b", 2, 4), mutate)
@@ -233,6 +236,7 @@ def test_planted_schedule_bugs_fail_the_check(reference, mutate):
     _assert_same(_pipelined(4, {"stage": 2}, sched), reference(4))
 
 
+@pytest.mark.slow
 def test_planted_transfer_off_by_one_fails_the_check(reference, monkeypatch):
   good = pipeline.transfer_pairs
   monkeypatch.setattr(pipeline, "transfer_pairs",  # activations skip a stage
@@ -242,6 +246,7 @@ def test_planted_transfer_off_by_one_fails_the_check(reference, monkeypatch):
     _assert_same(_pipelined(4, {"stage": 4}, sched), reference(4))
 
 
+@pytest.mark.slow
 def test_stage_transfers_in_the_compiled_program():
   """Inside the tick loop: exactly one activation forward and one gradient back (collective-permutes of a
   microbatch's b*T*D floats between neighbouring stages) and nothing else; data-parallel gradients are
@@ -298,6 +303,7 @@ def test_batch_must_split_into_microbatches_on_every_batch_shard():
   assert train.plan(dataclasses.replace(cfg, batch=16), jax.devices()[:8]).microbatches == 4
 
 
+@pytest.mark.slow
 def test_summary_counts_loops_nested_in_the_tick_loop_per_step():
   """The scanned layers run inside each tick: the summary's loop line gives their iterations per step (trip
   count x runs of the enclosing tick loop), not the trip count alone (the bug: 'x2 per step' for 8)."""

@@ -70,6 +70,7 @@ def test_unknown_preset_is_one_line():
     presets.resolve("study-tp", 8, "cpu", None, {})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(presets.PRESETS))
 def test_every_preset_trains_on_8_cpu_devices(name):
   fields, note = presets.resolve(name, 8, "cpu", None, {})

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes.mesh import build_mesh, ordered_devices
 from microbench.meshes.scopes import SCOPES, plan_scopes
 from microbench.meshes.topology import Topology
@@ -303,6 +303,8 @@ class FreshBufferOnGpu(collectives.RaggedAllToAll):
     return (other, x, y), y
 
 
+@pytest.mark.slow
+@pytest.mark.gpu_compile
 @needs_plugin
 def test_compiled_for_h100_it_is_the_async_ragged_all_to_all_in_the_loop():
   """Deviceless XLA:GPU: every distribution's timed programs run ragged-all-to-all-start/done inside the loop
@@ -347,6 +349,7 @@ def sweep_records(tmp_path_factory):
   return [json.loads(line) for line in open(out / "results.jsonl")], r.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", collectives.RAGGED)
 def test_the_sweep_records_every_distribution_ok_and_checked(sweep_records, name):
   """On 8 CPU devices: every point ok, its check and every timed repetition exact, busbw by the convention."""
@@ -425,6 +428,7 @@ def test_a_wrong_dispatch_fails_its_check(ep_mesh, monkeypatch, planted):
   assert dispatch.measure(ep_mesh, "expert", sizes, 5, jnp.float32, rounds=3)["moe_dispatch_time_s"] is None
 
 
+@pytest.mark.slow
 def test_an_expert_parallel_run_reports_its_dispatch():
   """microbench-train with ep:4: the summary holds one checked, timed dispatch with the router's sizes (every
   device's 2 x 16 assignments per dispatch), and the table says what ran."""

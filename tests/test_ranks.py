@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import clean_env, finish_job, start_job
+from support import clean_env, finish_job, start_job
 from microbench.bench import sweep
 from microbench.output import rank_times
 from microbench.report import ranks
@@ -173,6 +173,7 @@ def _sweep(out, extra):
   assert all(code == 0 for code, _, _ in results), results[0][2][-2000:]
 
 
+@pytest.mark.slow
 def test_the_delayed_process_is_named_in_a_real_run_and_none_without_delay(tmp_path):
   """4 processes on 2 fake hosts, process 2 adds 20 ms per operation (~3x on this machine; 5 ms was within
   the noise of a 1K all-reduce on a loaded CI machine, 10 ms an operation); the same sweep without the delay

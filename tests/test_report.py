@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, clean_env
+from support import ROOT, clean_env
 from microbench.cluster import environment
 from microbench.fabric import link_peaks
 from microbench.output import run_folder
@@ -196,6 +196,7 @@ def _changed(rows):
   return {(r[0], r[1], r[4]): r[13] for r in rows}
 
 
+@pytest.mark.slow
 def test_runs_from_one_distribution_mark_no_point_changed():
   """Same alpha-beta, independent samples: bare ratios differ from 1 at every point, none is marked changed;
   over 20 pairs of runs the false-change rate stays near the 5% the interval allows."""
@@ -230,6 +231,7 @@ def test_a_2x_slowdown_and_speedup_are_marked_with_their_direction():
   assert tables.changed_text(summary).startswith(f"{3 * 4} of {len(r['both'])} point(s) changed (8 slower, 4 faster")
 
 
+@pytest.mark.slow
 def test_the_interval_covers_the_true_ratio_in_most_seeds():
   """The true ratio of medians is 1.5 at every point; the intervals (95% for all points together, so wider than
   per point) must hold it in nearly every case (at least 90% here), and must not be so wide that they always
@@ -837,6 +839,7 @@ def test_training_report_compares_strategies(runs_dir, tmp_path):
   assert "| fsdp4-tp2 | gpt2-tiny (2 L) | fsdp:4,tp:2 | 8 |" in rep.markdown
 
 
+@pytest.mark.slow
 def test_report_command_line(runs_dir, tmp_path):
   root, a, b = runs_dir
   exe = [sys.executable, "-m", "microbench.cli.report"]
@@ -861,6 +864,7 @@ def test_report_command_line(runs_dir, tmp_path):
     assert r.returncode == 2 and len(lines) == 1 and msg in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_report_bad_run_folder_or_out_is_one_line(runs_dir, tmp_path):
   """A corrupt meta.json, and --out naming a file: one line naming the file, exit 2, no traceback."""
   import shutil  # pylint: disable=g-import-not-at-top
@@ -908,6 +912,7 @@ def test_jobs_started_in_the_same_second_get_folders_of_their_own(monkeypatch):
   assert len(names) == 2 and all(n.endswith(("-job0", "-job1")) for n in names)
 
 
+@pytest.mark.slow
 def test_report_sets_a_run_beside_nccl_tests(tmp_path):
   """`--nccl_tests=all_reduce=LOG`: every point nccl-tests measured too gets its busbw ratio, in the table and in
   OUT/nccl_tests.md; a row of the log that cannot be read is one line on stderr and the others still count."""

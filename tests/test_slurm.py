@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import clean_env
+from support import clean_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -24,24 +23,6 @@ from microbench.cluster import slurm_testbed as stb  # pylint: disable=g-import-
 from microbench.cluster import testbed as tbm  # pylint: disable=g-import-not-at-top
 
 TINY = ["--collectives=all_reduce", "--min_bytes=64K", "--max_bytes=64K", "--iters=6", "--samples=2"]
-
-
-def _problem() -> str | None:
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  problem = stb.missing_parts()
-  if problem:
-    return problem
-  name = f"tbprobe{secrets.token_hex(2)}-sw"
-  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-  return None
-
-
-PROBLEM = _problem()
-needs_slurm = pytest.mark.skipif(PROBLEM is not None, reason=f"no SLURM on the emulated cluster: {PROBLEM}")
 
 
 def records(path: str) -> list[dict]:
@@ -81,7 +62,8 @@ def slurm(tmp_path_factory):
     assert not [ns for ns in tbm.list_netns() if ns.startswith(bed.prefix + "-")]
 
 
-@needs_slurm
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_nodes_are_the_testbed_hosts_in_their_racks(slurm):
   bed = slurm.bed
   assert slurm.node_states() == {bed.host_name(i): "idle" for i in range(4)}
@@ -93,7 +75,9 @@ def test_nodes_are_the_testbed_hosts_in_their_racks(slurm):
   assert sorted(r.stdout.split("\n")[:4]) == [f"{k}: {bed.host_name(k)} {bed.host_name(k)}" for k in range(4)]
 
 
-@needs_slurm
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_distributed_detects_slurm_under_srun(slurm, tmp_path):
   """`--distributed` alone: JAX takes the coordinator, ranks and count from srun's SLURM_* variables."""
   bed = slurm.bed
@@ -110,7 +94,9 @@ def test_distributed_detects_slurm_under_srun(slurm, tmp_path):
   assert {"scale_up", "scale_out", "global"} <= scopes, scopes
 
 
-@needs_slurm
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_sbatch_templates(slurm, tmp_path):
   """The scale-up, scale-out, rack-scale and per-node templates as written, with tiny sizes, submitted together (each asks
   for whole nodes, so SLURM runs them as nodes free up); 2 CPU devices stand in for a node's GPUs in scale-up,
@@ -154,7 +140,9 @@ def _print_study_logs(log: str, res: str) -> None:
         print(f"--- {os.path.join(root, name)}\n{f.read()[-4000:]}")
 
 
-@needs_slurm
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 @pytest.mark.parametrize("jobs,shared", [(("dp@0,2", "dp@1,3"), True), (("dp@0,1", "dp@2,3"), False)],
                          ids=["shared_uplinks", "isolated_racks"])
 def test_sbatch_study(slurm, tmp_path, jobs, shared):
@@ -193,7 +181,9 @@ def test_sbatch_study(slurm, tmp_path, jobs, shared):
     assert sigma["sigma"] < 1.2 or (not sigma["excludes_one"] and sigma["sigma"] < 1.5), sigma
 
 
-@needs_slurm
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_failed_node_requeues_the_study_and_it_resumes(slurm, tmp_path):
   """A node fails mid-study (its slurmd and processes killed): SLURM sets it DOWN and requeues the batch job, whose
   study ends on SIGTERM with the unfinished unit left aside; once the node is back, the requeued job resumes."""

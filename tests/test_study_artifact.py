@@ -33,6 +33,7 @@ def _settings(name: str) -> gen.Settings:
   return gen.Settings(mm.parse(kw.pop("machine")), **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["dgx", "lumi", "leonardo"])
 def test_readme_plans_are_the_artifacts_experiments(name):
   """Same count, same order, same mixes: pattern, labelling, entropy bin, class vector, placement bin and

@@ -101,6 +101,7 @@ def steps():
           for pf in ("gpt2-tiny,dp", "gpt2-tiny,fsdp")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy_from", ["gpt2-tiny,dp", "gpt2-tiny,fsdp"])
 def test_derived_bytes_equal_the_training_steps_fingerprint(steps, proxy_from):
   step = steps[proxy_from]

@@ -123,6 +123,7 @@ def test_predict_fits_the_links_from_sweeps(tmp_path):
   assert bad.returncode != 0 and "no meta.json there" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_jobs_whose_proxies_come_from_hlo_are_derived_and_predicted(tmp_path):
   plan, res = tmp_path / "plan", tmp_path / "res"
   study = [sys.executable, "-m", "microbench.cli.study"]

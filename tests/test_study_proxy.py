@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import clean_env, netns_problem
+from support import clean_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDY = [sys.executable, "-m", "microbench.cli.study"]
@@ -27,6 +27,7 @@ def records(path: str) -> list[dict]:
   return [json.loads(line) for line in open(path, encoding="utf-8")]
 
 
+@pytest.mark.slow
 def test_proxy_records_every_rank_and_the_slowest(tmp_path):
   out = tmp_path / "dp.jsonl"
   r = subprocess.run([*LAUNCH, "--num_processes=2", f"--log_dir={tmp_path}", "--", *STUDY, "proxy",
@@ -49,6 +50,7 @@ def test_proxy_records_every_rank_and_the_slowest(tmp_path):
     assert min(x["ranks"]["compute_s"]) >= 0.9 * head["scaled"]["compute_s_max"]  # the host really waited
 
 
+@pytest.mark.slow
 def test_local_study_end_to_end(tmp_path):
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
   r = study("plan", "--machine=testbed:racks=2,hosts_per_rack=2", "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}")
@@ -95,6 +97,7 @@ def test_busy_compute_occupies_the_device():
   assert time.perf_counter() - t >= 0.1  # a kernel that did not run would return at once
 
 
+@pytest.mark.slow
 def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):
   out = tmp_path / "derived.jsonl"
   r = subprocess.run([*LAUNCH, "--num_processes=2", f"--log_dir={tmp_path}", "--", *STUDY, "proxy",
@@ -107,6 +110,7 @@ def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):
   assert head["scaled"]["bytes_per_iteration_rank0"]["data"] >= 4 * head["meta"]["params"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,needle", [
     (["proxy", "--strategy=zero3"], "unknown strategy"),
     (["plan", "--machine=summit", "--out=/tmp/x"], "unknown machine"),
@@ -127,10 +131,9 @@ def test_bad_input_is_one_line(args, needle):
   assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-NETNS = netns_problem()
-
-
-@pytest.mark.skipif(NETNS is not None, reason=f"the emulated cluster cannot run here: {NETNS}")
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   """Two 2-rank DP jobs whose traffic crosses the same shaped rack uplinks: sigma well above 1."""
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
@@ -148,15 +151,9 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
 
 
-def _slurm_problem() -> str | None:
-  from microbench.cluster import slurm_testbed
-  return NETNS or slurm_testbed.missing_parts()
-
-
-SLURM = _slurm_problem()
-
-
-@pytest.mark.skipif(SLURM is not None, reason=f"no SLURM on the emulated cluster: {SLURM}")
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_slurm")
 def test_slurm_backend_runs_steps_in_one_allocation(tmp_path):
   """A DGX-like mix (two 4-rank jobs sharing one node, 4 of its 8 GPUs each) as srun --exact steps inside one
   salloc, on a real SLURM started here over a one-host emulated cluster."""

@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 import os
 
-from conftest import clean_env
-from test_slurm import REPO, needs_slurm, records, slurm  # noqa: F401  (slurm: the module's SLURM fixture)
+import pytest
+
+from support import clean_env
+from test_slurm import REPO, records, slurm  # noqa: F401  (slurm: the module's SLURM fixture)
 
 from microbench.study import machines as mm
 
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
-@needs_slurm
+
+@pytest.mark.usefixtures("needs_slurm")
 def test_sbatch_plans_inside_the_allocation(slurm, tmp_path):  # noqa: F811
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
   env = dict(clean_env(), STUDY_PLAN_FLAGS="--machine=testbed --patterns=A --strategies=dp --size_divisor=8 "

@@ -18,7 +18,7 @@ from tensorboard.plugins.scalar import scalars_plugin
 from werkzeug import test as wtest
 from werkzeug import wrappers
 
-from conftest import run_cli
+from support import run_cli
 from microbench.output import run_folder
 from microbench.fabric import link_peaks
 from microbench.output.train_log import (HPARAM_METRIC_DESCRIPTIONS, HPARAM_METRICS, HPARAM_NAME_MAX, HPARAMS,
@@ -400,6 +400,7 @@ def test_a_report_under_a_run_folder_adds_no_run(logdir, tmp_path):
   assert any(t.startswith("report/") for t in blobs["sweep_a"]) and "figures/all_reduce" in blobs["sweep_a"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (os.path.exists("/usr/bin/chromium") and os.path.exists("/usr/bin/chromedriver")),
                     reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)")
 def test_hparams_parallel_coordinates_draw_every_run_in_a_browser(logdir):
@@ -492,6 +493,7 @@ def write_old_views(root: str) -> None:
     tb.close()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (os.path.exists("/usr/bin/chromium") and os.path.exists("/usr/bin/chromedriver")),
                     reason="needs Debian's chromium and chromium-driver (apt-get install -y chromium chromium-driver)")
 def test_sweep_views_as_opened_in_a_browser(tmp_path):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import interrupt_when_ready
+from support import interrupt_when_ready
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -26,25 +26,6 @@ from microbench.fabric import rates
 
 TESTBED = ["-m", "microbench.cli.testbed"]  # the microbench-testbed console script
 JOB = os.path.join(REPO, "tests", "_psum_job.py")
-
-
-def _netns_problem() -> str | None:
-  """Why namespaces can't be built here, or None."""
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  problem = tbm.permission_problem()
-  if problem:
-    return problem
-  name = f"tbprobe{secrets.token_hex(2)}-sw"
-  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-  return None
-
-
-NETNS_PROBLEM = _netns_problem()
-needs_netns = pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"testbed cannot run: {NETNS_PROBLEM}")
 
 
 def run_testbed(*args: str, command: list[str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -139,6 +120,7 @@ def test_topology_names_and_validation():
     tbm.remove_prefix("x")
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line():
   for args in (["--hosts=3", "--racks=2", "--", "true"], ["--hosts=2", "--host_rate=fast", "--", "true"],
                ["--hosts=2"]):
@@ -147,6 +129,7 @@ def test_usage_errors_are_one_line():
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.cluster
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_without_net_admin_says_so():
   r = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, *TESTBED, "--hosts=2",
@@ -157,7 +140,9 @@ def test_without_net_admin_says_so():
 
 
 # The real thing: namespaces, bridges, tc.
-@needs_netns
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_oneshot_shaped_rate_and_cleanup(bed_id):
   """Acceptance: 2 hosts at 200 Mbit/s; a 2-rank all-reduce's busbw (factor 1) is close to 0.025 GB/s."""
   r = run_testbed(f"--id={bed_id}", "--hosts=2", "--host_rate=200mbit",
@@ -170,7 +155,9 @@ def test_oneshot_shaped_rate_and_cleanup(bed_id):
   assert f"removed testbed {bed_id}" in r.stderr
 
 
-@needs_netns
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_up_run_concurrent_jobs_racks_and_down(bed_id, tmp_path):
   r = run_testbed("up", f"--id={bed_id}", "--hosts=4", "--racks=2", "--host_rate=400mbit", "--uplink_rate=100mbit")
   assert r.returncode == 0, r.stderr
@@ -204,7 +191,9 @@ def test_up_run_concurrent_jobs_racks_and_down(bed_id, tmp_path):
   assert not leftovers(bed_id)
 
 
-@needs_netns
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_sigint_removes_everything(bed_id, tmp_path):
   proc = subprocess.Popen([sys.executable, *TESTBED, f"--id={bed_id}", "--hosts=2", "--grace=1", "--",
                            sys.executable, JOB, "--sleep=300", f"--pid_dir={tmp_path}"],
@@ -217,7 +206,8 @@ def test_sigint_removes_everything(bed_id, tmp_path):
   assert not leftovers(bed_id)
 
 
-@needs_netns
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_down_after_crashed_up(bed_id):
   proc = subprocess.Popen([sys.executable, *TESTBED, "up", f"--id={bed_id}", "--hosts=60"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
@@ -279,7 +269,8 @@ def _pair_carried(bed: tbm.Testbed, src: int, dst: int, nbytes: int) -> list[str
   return wrong
 
 
-@needs_netns
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_fair_queue_puts_each_host_pair_in_its_own_queue(bed_id, monkeypatch):
   """--queue=fair: a transfer from rack 0 to rack 1 lands in its pair's own queue on every link it crosses (its
   host link, the uplinks, the destination's link), not in the default queue; a classifier that swaps source

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import subprocess
 import sys
 
@@ -115,23 +114,6 @@ def test_fault_flag_errors_are_one_line(args, message):
 
 
 # The real thing.
-def _netns_problem() -> str | None:
-  if not sys.platform.startswith("linux"):
-    return "network namespaces need Linux"
-  problem = tbm.permission_problem()
-  if problem:
-    return problem
-  name = f"tbprobe{secrets.token_hex(2)}-sw"
-  r = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    return f"`ip netns add` not permitted here: {r.stderr.strip()}"
-  subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
-  return None
-
-
-NETNS_PROBLEM = _netns_problem()
-
-
 RECEIVE = """
 import socket, sys
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -170,7 +152,9 @@ def _delivered(bed: tbm.Testbed, src: int, dst: int, count: int) -> int:
       recv.kill()
 
 
-@pytest.mark.skipif(NETNS_PROBLEM is not None, reason=f"testbed cannot run: {NETNS_PROBLEM}")
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.usefixtures("needs_netns")
 def test_planted_faults_on_a_real_testbed():
   """h0's link at a quarter of its rate both ways (tc as built); h1's link dropping 10% of the frames that cross
   it (UDP datagrams counted), the healthy h0 -> h2 path none."""

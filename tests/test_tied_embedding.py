@@ -97,11 +97,13 @@ def test_the_head_carries_much_of_the_table_gradient():
   assert np.max(np.abs(whole_VD - head_VD)) > 0.1 * np.max(np.abs(whole_VD))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_table_gradient_is_lookup_plus_head(strategy):
   assert table_mismatch(strategy) <= RTOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_planted_dropped_head_gradient_fails_the_reference(strategy, monkeypatch):
   monkeypatch.setattr(transformer, "tied_head", jax.lax.stop_gradient)

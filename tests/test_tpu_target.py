@@ -16,7 +16,7 @@ import types
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from support import run_cli
 from microbench.meshes import tpu_slice
 from microbench.meshes.scopes import plan_scopes
 from microbench.bench import collectives, hlo_check, program
@@ -164,6 +164,8 @@ def test_devices_that_are_not_whole_slices_are_refused_in_one_line(mutate, match
     tpu_slice.slices_from_devices(devices)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("kind,text", [("v5p", "4x4x4"), ("v5e", "4x4,slices:2"), ("v6e", "16x16"),
                                        ("v5p", "2x4x4,slices:2")])
@@ -253,6 +255,8 @@ def _compile_point(kind, text, coll_name, scope, count=65536, reps=None):
   return program.build_check(coll, mesh, plan, count, "float32").check_prog, plan, coll
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_an_all_gather_over_a_slice_is_checked_in_xla_tpus_all_reduce_form():
   prog, plan, coll = _compile_point("v5p", "4x4x4", "all_gather", "slice")
@@ -266,6 +270,8 @@ def test_an_all_gather_over_a_slice_is_checked_in_xla_tpus_all_reduce_form():
     hlo_check.verify(prog.hlo_text, wrong)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_timed_tpu_loop_is_counted_and_its_staging_reported():
   prog, _, _ = _compile_point("v5p", "4x4x4", "all_reduce", "ici_x", reps=10)
@@ -275,6 +281,8 @@ def test_a_timed_tpu_loop_is_counted_and_its_staging_reported():
   assert "staging_copies" in v.facts()
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("coll_name,transfer", [("all_reduce", "ALL_REDUCE"), ("all_gather", "ALL_GATHER"),
                                                 ("all_to_all", "ALL_TO_ALL"), ("ppermute", "ONE_TO_ONE")])
@@ -296,6 +304,8 @@ def test_across_slices_the_collective_is_a_megascale_transfer(coll_name, transfe
     hlo_check.verify(extra, exp)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_an_ici_scope_of_a_multislice_target_is_checked_on_slice_local_ids():
   prog, plan, _ = _compile_point("v5e", "2x2,slices:2", "all_reduce", "ici_x")
@@ -311,6 +321,8 @@ def test_a_tpu_target_refuses_gpu_only_modes_in_one_line():
   assert r.returncode == 2 and "ici_x" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_sweep_compiles_for_two_v5e_slices_with_every_check_passing(tmp_path):
   out = tmp_path / "run"
@@ -366,6 +378,8 @@ def test_on_chip_staging_is_counted_and_an_hbm_write_per_repetition_still_fails(
     hlo_check.verify(body.replace("LAYOUT", "S(1)"), dataclasses.replace(exp, onchip_staging=False))
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("target,topology,scopes", [
     ("v5p", "4x4x4", {"host", "ici_x", "ici_y", "ici_z", "slice"}),
@@ -401,6 +415,8 @@ def test_the_default_sweep_compiles_for_a_tpu_slice_with_every_check_passing(tmp
 
 # ------------------------------------------------------------------------------ the study's schedule from TPU HLO
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_study_schedule_derived_from_tpu_hlo():
   """`microbench-study schedule --target=v5e`: the proxy's collectives as XLA:TPU compiles them (the FSDP
@@ -408,7 +424,7 @@ def test_study_schedule_derived_from_tpu_hlo():
   annotation, the compute timed on the chip's own roofline; a pipeline's stage transfers found."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  from conftest import ROOT, clean_env  # pylint: disable=g-import-not-at-top
+  from support import ROOT, clean_env  # pylint: disable=g-import-not-at-top
 
   def schedule(proxy_from: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "from microbench.cli.study import run; run()", "schedule",
@@ -566,6 +582,8 @@ ENTRY %main (x: u32[4,1,128]) -> u32[4,1,128] {
     hlo_check.verify(text.replace("WORDS", "4"), dataclasses.replace(exp, onchip_staging=False))
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("coll_name", ["all_reduce", "all_gather"])
 def test_bfloat16_over_every_ici_scope_passes_the_check(coll_name):
@@ -584,6 +602,8 @@ def _target(kind, text):
   return machine.resolve_target(kind, machine.parse_target_topology(kind, text), None)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_16_mib_bfloat16_all_to_all_states_what_its_retiling_costs():
   """XLA:TPU re-tiles the flat bfloat16 buffer around the all-to-all in HBM on every repetition: excused before
@@ -599,6 +619,8 @@ def test_a_16_mib_bfloat16_all_to_all_states_what_its_retiling_costs():
   assert "3.5 message-sized memory writes per op" in table.form_text(shape)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_dcn_loop_bodies_are_write_checked_as_ici_ones():
   """Across slices the loop body is now checked like any other: a message-sized write besides the transfers fails
@@ -621,6 +643,8 @@ def test_dcn_loop_bodies_are_write_checked_as_ici_ones():
     hlo_check.verify(broken, exp)
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_ici_collectives_per_call_counts_executions():
   top, _, mesh, _ = _target("v5e", "2x2,slices:2")
@@ -631,6 +655,8 @@ def test_ici_collectives_per_call_counts_executions():
   assert per_call >= 10 and per_call > ici  # executions per call, not instructions in the program
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_scope_the_slice_lacks_measures_nothing_and_exits_2(tmp_path):
   r = run_cli(["--target=v5e", "--topology=4x4", "--scopes=ici_z", f"--outdir={tmp_path}/run"], timeout=300)

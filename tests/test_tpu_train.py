@@ -20,7 +20,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from conftest import ROOT, clean_env  # noqa: E402
+from support import ROOT, clean_env  # noqa: E402
 from microbench import train  # noqa: E402
 from microbench.fabric import tpu_kinds  # noqa: E402
 from microbench.aot import gpu_compile, tpu_compile  # noqa: E402
@@ -86,6 +86,8 @@ def check_fit(s: dict, kind: str) -> None:
   assert s["fits"] is True and s["fits_whole_device"] is True
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_v6e_fsdp_step_compiles_with_memory_fit_peak_and_fingerprint():
   s = train.run(_cfg("v6e", "2x2", "fsdp:4", 4)).summary
@@ -99,6 +101,8 @@ def test_v6e_fsdp_step_compiles_with_memory_fit_peak_and_fingerprint():
   assert "fits                  yes" in text and "(100% of" in text and "step at 100% MFU" in text
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_planted_gpu_share_of_memory_fails_the_fit_check(monkeypatch):
   # Planted: a TPU target's fit against the GPU allocator's default 75% of the device.
@@ -122,6 +126,8 @@ def test_hbm_refusals_are_read_in_both_of_xla_tpus_wordings():
   assert loop.hbm_refusal("RESOURCE_EXHAUSTED: out of host memory") is None
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_step_too_large_for_hbm_is_a_no_with_xla_tpus_figures():
   s = train.run(_cfg("v5e", "2x2", "fsdp:4", 4, size="8b", seq_len=2048)).summary
@@ -184,6 +190,8 @@ def test_the_forms_as_compiled_are_read_in_handwritten_hlo():
   assert ones["ops"]["all-reduce"]["count"] == 3 and ones["ops"]["all-gather"]["count"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_weight_gathers_compiled_as_all_gathers_are_counted_per_layer(v5p_4):
   hlo, t = v5p_4
@@ -194,6 +202,8 @@ def test_weight_gathers_compiled_as_all_gathers_are_counted_per_layer(v5p_4):
   assert "all-gather" not in report["forms"]
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_weight_gathers_compiled_as_zero_padded_all_reduces_are_counted_as_gathers(v5p_64):
   hlo, t = v5p_64
@@ -203,6 +213,8 @@ def test_weight_gathers_compiled_as_zero_padded_all_reduces_are_counted_as_gathe
   check_layer_gathers(report, _layer_bytes(t))
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_planted_reader_blind_to_zero_padded_gathers_fails(v5p_64, monkeypatch):
   hlo, t = v5p_64
@@ -220,6 +232,8 @@ def check_dcn(report: dict, hlo: str, gradient_bytes: int) -> None:
   assert report["ops"]["all-reduce"]["count"] >= report["dcn"]["all-reduce"]["count"]
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_collectives_across_slices_are_counted_as_dcn_collectives(two_slices):
   hlo, t = two_slices
@@ -232,6 +246,8 @@ def test_collectives_across_slices_are_counted_as_dcn_collectives(two_slices):
                              "comm_forms": report["forms"]}).count("over DCN") == 1
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("planted", ["ignore Megascale transfers", "count the recv too"])
 def test_planted_dcn_readers_fail(two_slices, monkeypatch, planted):
@@ -375,6 +391,8 @@ def _libtpu_version() -> str | None:
     return None
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 @pytest.mark.parametrize("name", _preset_names())
 def test_tpu_preset_fingerprint_matches_golden(tpu_golden, name):
@@ -388,6 +406,8 @@ def test_tpu_preset_fingerprint_matches_golden(tpu_golden, name):
       "If intended, regenerate: python -m pytest tests/test_tpu_train.py -m '' -k golden --update-golden")
 
 
+@pytest.mark.slow
+@pytest.mark.tpu_compile
 @needs_libtpu
 def test_tpu_golden_file_covers_every_preset_and_is_not_blind(tpu_golden):
   assert sorted(tpu_golden["fingerprints"]) == sorted(f"preset {n}" for n in _preset_names())

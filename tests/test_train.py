@@ -32,6 +32,7 @@ def _run(model: str, parallelism: str, dtype: str = "float32") -> train.Result:
   return train.run(cfg, train.plan(cfg, jax.devices()[:n]))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_matches_within_bf16_tolerance():
   ref = _run("gpt2", "dp:1")
   bf16 = _run("gpt2", "dp:2,fsdp:2,tp:2", "bfloat16")
@@ -40,6 +41,7 @@ def test_bfloat16_compute_matches_within_bf16_tolerance():
   assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype("float32")}  # parameters stay float32
 
 
+@pytest.mark.slow
 def test_summary_figures_are_consistent():
   s = _run("gpt2", "dp:2,fsdp:2,tp:2").summary
   assert s["tokens_per_step"] == 8 * 32
@@ -150,6 +152,7 @@ def test_cli_compile_only(tmp_path):
   assert [lp["trip_count"] for lp in c["comm_loops"]] == [3, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,devices,line", [
     (["--parallelism=dp:3"], 8, "--parallelism=dp:3 uses dp:3 = 3 devices but 8 are available"),
     (["--size=tiny", "--parallelism=tp:8"], 8, "tp:8 does not divide gpt2-tiny's attention heads (4)"),

@@ -36,6 +36,7 @@ def _fsdp_over_dp_temp(rules: par.LogicalRules = par.RULES) -> float:
   return dp["temp"] / fsdp["temp"]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_working_memory():
   assert _fsdp_over_dp_temp() >= 2.0  # measured 3.9x (docs/measured-figures.md)
   # Planted: FSDP that shards no weight dimension (every weight whole on every device, as DP).
@@ -56,6 +57,7 @@ def _layer_gathers(dtype, remat: str = "dots_with_no_batch_dims_saveable") -> tu
   return loops[0]["ops"], loops[1]["ops"], sharded
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat", ["dots_with_no_batch_dims_saveable", "none"])
 def test_fsdp_gathers_each_layer_in_bfloat16_in_forward_and_backward(remat):
   fwd, bwd, layer_bytes = _layer_gathers(jnp.bfloat16, remat)
@@ -82,6 +84,7 @@ def test_planted_gather_before_cast_moves_float32(monkeypatch):
 # Depth and memory
 
 
+@pytest.mark.slow
 def test_remat_policies_trade_memory_in_order():
   temp = {r: memory(make_trainer("gpt2", "dp:1", layers=4, batch=64, seq_len=128,
                                  execution=Execution(remat=r)))["temp"] for r in REMAT_POLICIES}
@@ -96,6 +99,7 @@ def _program_lines(depth: int, scan: bool) -> int:
   return len(compiled_step(t).as_text().splitlines())
 
 
+@pytest.mark.slow
 def test_program_size_is_flat_in_depth():
   """Compile time follows program size; with scanned layers the program does not grow with depth
   (scripts/bench_compile.py measures the compile time itself: GPT-2 124M, 2 vs 24 layers)."""
@@ -105,6 +109,7 @@ def test_program_size_is_flat_in_depth():
   assert _program_lines(5, False) > 1.5 * _program_lines(2, False)  # measured 1.75x
 
 
+@pytest.mark.slow
 def test_comm_fingerprint_counts_loop_iterations():
   scanned = comm_fingerprint.comm_report(compiled_step(make_trainer("gpt2", "fsdp:8", layers=3)).as_text(), 8)
   unrolled = comm_fingerprint.comm_fingerprint(
@@ -166,6 +171,7 @@ def test_compile_only_on_the_llama3_70b_shape():
 # Clipping
 
 
+@pytest.mark.slow
 def test_clipping_scales_the_update_to_the_clip_norm():
   t = make_trainer("gpt2", "dp:1", tx=sgd(1.0, clip_norm=0.0))
   params, rest, _ = t.init_state()
