@@ -268,7 +268,7 @@ def test_sizes_that_round_to_one_count_are_measured_once():
 
 
 def test_a_difference_the_samples_do_not_resolve_is_flagged_noisy():
-  """The issue's case: 4 operations of difference under per-call jitter as large as them. The median is
+  """4 operations of difference under per-call jitter as large as them, too little to resolve. The median is
   positive but its interval is wide and some samples are negative: NOISY, with its resolution, in the table."""
   rng = np.random.default_rng(1)
   per_op, per_call = 1e-3, 20e-3

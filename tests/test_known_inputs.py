@@ -145,7 +145,8 @@ def test_data_inputs_tell_every_pair_of_ranks_apart_at_every_element_in_some_run
 
 
 def test_a_narrower_reduction_and_a_wrong_rank_are_caught_on_a_real_example():
-  """The plants the issue reported: float16 summed in bfloat16 and int32 in float32 passed before."""
+  """Reductions in a narrower type (float16 summed in bfloat16, int32 in float32) change the total of the
+  known inputs, so the check catches them."""
   for dtype, narrow in (("float16", "bfloat16"), ("int32", "float32")):
     inputs = ki.GroupInputs("sum", dtype, 64, 0, 1024)
     xs = np.stack([inputs.rank(r, 0, 1024) for r in range(64)]).astype(np.float64)

@@ -385,7 +385,7 @@ def test_on_chip_staging_is_counted_and_an_hbm_write_per_repetition_still_fails(
     ("v5p", "4x4x4", {"host", "ici_x", "ici_y", "ici_z", "slice"}),
     ("v5e", "2x2,slices:2", {"host", "ici_x", "ici_y", "dcn", "global"})])
 def test_the_default_sweep_compiles_for_a_tpu_slice_with_every_check_passing(tmp_path, target, topology, scopes):
-  """The issue's proof: the default sweep for a v5p cube and for two v5e slices, every point's HLO checked; and
+  """The default sweep for a v5p cube and for two v5e slices compiles with every point's HLO checked; and
   XLA's own dump of every optimised module read the same way (each loop's trip count found, each Megascale
   transfer of a known collective), so the checks stand on what XLA:TPU wrote, not on one printing of it."""
   import glob  # pylint: disable=g-import-not-at-top
@@ -606,9 +606,9 @@ def _target(kind, text):
 @pytest.mark.tpu_compile
 @needs_libtpu
 def test_a_16_mib_bfloat16_all_to_all_states_what_its_retiling_costs():
-  """XLA:TPU re-tiles the flat bfloat16 buffer around the all-to-all in HBM on every repetition: excused before
-  without a bound; now the re-tiling is the op's form, counted and stated in the record (3.5 message-sized
-  writes per operation), and anything else that writes the message still fails."""
+  """XLA:TPU re-tiles the flat bfloat16 buffer around the all-to-all in HBM on every repetition: the re-tiling is
+  the op's form, counted and stated in the record (3.5 message-sized writes per operation), not excused without
+  a bound, and anything else that writes the message still fails."""
   top, _, mesh, _ = _target("v5p", "4x4x4")
   plan = next(p for p in plan_scopes(top, tpu_slice.SCOPES) if p.name == "ici_x")
   coll = collectives.get("all_to_all")
@@ -623,7 +623,7 @@ def test_a_16_mib_bfloat16_all_to_all_states_what_its_retiling_costs():
 @pytest.mark.tpu_compile
 @needs_libtpu
 def test_dcn_loop_bodies_are_write_checked_as_ici_ones():
-  """Across slices the loop body is now checked like any other: a message-sized write besides the transfers fails
+  """Across slices the loop body is checked like any other: a message-sized write besides the transfers fails
   (mutation: an extra negate of the carried buffer in the loop body)."""
   top, _, mesh, _ = _target("v5e", "2x2,slices:2")
   plan = next(p for p in plan_scopes(top, tpu_slice.SCOPES) if p.name == "dcn")

@@ -69,7 +69,7 @@ def test_fsdp_gathers_each_layer_in_bfloat16_in_forward_and_backward(remat):
 
 
 def test_planted_gather_before_cast_moves_float32(monkeypatch):
-  # Planted: the weight gathered first and cast after (what sharding propagation did before the fix).
+  # Planted: the weight gathered first and cast after (what sharding propagation does unless told otherwise).
   def gather_then_cast(v, dtype):
     names = v.get_metadata()["out_sharding"]
     value = v[...]
