@@ -184,7 +184,7 @@ def test_the_proxy_runs_a_congestor_program(tmp_path, kind):
   from support import finish_job, start_job  # pylint: disable=g-import-not-at-top
   out = str(tmp_path / "c.jsonl")
   procs = start_job(["proxy", f"--congestor={kind}", "--message_bytes=64K", "--iters=3", "--warmup=0",
-                     f"--out={out}"], 3, module="microbench.cli.study")
+                     f"--records={out}"], 3, module="microbench.cli.study")
   for code, _, err in finish_job(procs):
     assert code == 0, err[-2000:]
   recs = [json.loads(line) for line in open(out)]

@@ -31,7 +31,8 @@ def records(path: str) -> list[dict]:
 def test_proxy_records_every_rank_and_the_slowest(tmp_path):
   out = tmp_path / "dp.jsonl"
   r = subprocess.run([*LAUNCH, "--num_processes=2", f"--log_dir={tmp_path}", "--", *STUDY, "proxy",
-                      "--strategy=fsdp", "--bytes_scale=1e-5", "--compute_scale=0.005", "--iters=3", f"--out={out}"],
+                      "--strategy=fsdp", "--bytes_scale=1e-5", "--compute_scale=0.005", "--iters=3",
+                      f"--records={out}"],
                      capture_output=True, text=True, timeout=240, cwd=REPO, env=clean_env(), check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   recs = records(str(out))
@@ -101,7 +102,7 @@ def test_busy_compute_occupies_the_device():
 def test_derived_proxy_runs_the_training_steps_collectives(tmp_path):
   out = tmp_path / "derived.jsonl"
   r = subprocess.run([*LAUNCH, "--num_processes=2", f"--log_dir={tmp_path}", "--", *STUDY, "proxy",
-                      "--proxy_from=gpt2-tiny,dp", "--iters=2", "--compute_scale=0.01", f"--out={out}"],
+                      "--proxy_from=gpt2-tiny,dp", "--iters=2", "--compute_scale=0.01", f"--records={out}"],
                      capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env(), check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   head = records(str(out))[0]

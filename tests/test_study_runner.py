@@ -29,7 +29,7 @@ class FakeBackend(bk.Backend):
     self.started: list[str] = []
 
   def procs(self, job, command, tag, log_dir):
-    out = next(a.split("=", 1)[1] for a in command if a.startswith("--out="))
+    out = next(a.split("=", 1)[1] for a in command if a.startswith("--records="))
     assert f"--strategy={job['strategy']}" in command and f"--gpus={job['gpus']}" in command
     iters, thr, mode = self.behave(tag, job)
     self.started.append(tag)

@@ -12,7 +12,9 @@ EXIT_USAGE = 2
 
 
 def run(main: Callable[[list[str]], int | None], name: str, flag_modules: Sequence[str],
-        argv: list[str] | None = None) -> None:
+        argv: list[str] | None = None, unknown_flag: Callable[[str], str | None] | None = None) -> None:
+  """`unknown_flag(name)`: a better line for a flag absl does not know (e.g. one of another mode), or None for
+  absl's own."""
   argv = list(sys.argv if argv is None else argv)
   fv = flags.FLAGS
   for module in flag_modules:  # absl's --help shows the key flags of the module named by argv[0]
@@ -30,7 +32,8 @@ def run(main: Callable[[list[str]], int | None], name: str, flag_modules: Sequen
     try:
       return fv(args)
     except flags.Error as e:
-      print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+      better = unknown_flag(e.flagname) if unknown_flag and isinstance(e, flags.UnrecognizedFlagError) else None
+      print(f"{name}: error: {better or e}", file=sys.stderr, flush=True)
       sys.exit(EXIT_USAGE)
 
   app.run(guarded, argv=argv, flags_parser=parse)

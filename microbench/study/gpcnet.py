@@ -234,7 +234,7 @@ def command(spec: Spec, machine: mm.Machine, s: Settings, raw: str, tag: str, it
   which = f"--congestor={spec.kind}" if spec.role == "congestor" else f"--point={spec.kind}"
   return [sys.executable, "-m", "microbench.cli.study", "proxy", which, f"--message_bytes={spec.message_bytes}",
           f"--gpus={len(spec.nodes) * machine.gpus_per_node}", f"--iters={iters}", f"--warmup={s.warmup}",
-          f"--proxy_dtype={s.dtype}", f"--seed={s.seed}", f"--out={raw}", f"--label={tag}"]
+          f"--proxy_dtype={s.dtype}", f"--seed={s.seed}", f"--records={raw}", f"--label={tag}"]
 
 
 def iteration_times(path: str) -> list[float]:

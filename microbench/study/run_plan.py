@@ -130,7 +130,7 @@ def proxy_command(job: dict, machine: mm.Machine, s: RunSettings, raw: str, tag:
          f"--gpu={machine.gpu}", f"--gpus={job['gpus']}", f"--iters={iters}", f"--warmup={warmup}",
          f"--compute={s.compute}",
          f"--compute_scale={s.compute_scale}", f"--bytes_scale={s.bytes_scale}", f"--proxy_dtype={s.dtype}",
-         f"--out={raw}", f"--label={tag}"]
+         f"--records={raw}", f"--label={tag}"]
   if job.get("proxy_from"):
     cmd.append(f"--proxy_from={job['proxy_from']}")
   return cmd
