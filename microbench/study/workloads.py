@@ -3,7 +3,7 @@
 The multi-tenancy study (docs/study.md, section 1) stands a 2400-GPU training job in for with a
 *proxy*: the real collectives of a strategy on zero buffers, with compute emulated from a roofline model of
 the model's forward pass. Everything a proxy needs that is not communication lives here, so the schedules
-(`schedules.py`), the job-mix generator (`generator.py`) and the report agree on one table.
+(`rank_programs.py`), the job-mix generator (`generator.py`) and the report agree on one table.
 """
 
 from __future__ import annotations

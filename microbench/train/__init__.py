@@ -1,5 +1,5 @@
 """Training throughput of Flax models under parallel strategies: the request and its mesh (`config`), the
-run loop and its summary (`loop`), MFU peaks (`peaks`) and the step's communication fingerprint
+run loop and its summary (`loop`), MFU peaks (`flops_peaks`) and the step's communication fingerprint
 (`comm_fingerprint`)."""
 
 from microbench.output.train_log import METRICS_FILE
