@@ -10,11 +10,9 @@ import signal
 import sys
 from typing import Any
 
-from absl import app, flags
-
 from microbench.meshes.scopes import plan_scopes
 from microbench.meshes.topology import Topology, TopologyError
-from microbench.bench import command_buffer, sizes, sweep, tpu_peaks
+from microbench.bench import command_buffer, settings, sizes, sweep, tpu_peaks
 from microbench.cluster import distributed, environment, machine, nccl_debug
 from microbench.fabric import description as fabric_description
 from microbench.fabric import expected
@@ -50,9 +48,10 @@ def _check_memory(cfg: sweep.SweepConfig) -> None:
   need = _DEVICE_BYTES_PER_S * cfg.max_bytes
   have = cfg.device_memory or _device_memory()
   if need > have:
-    raise app.UsageError(
+    most = sizes.format_size(have // 4 // 2**20 * 2**20)
+    raise settings.SettingsError(
         f"--max_bytes={sizes.format_size(cfg.max_bytes)} needs about {sizes.format_size(need)} per device but a "
-        f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {sizes.format_size(have // 4 // 2**20 * 2**20)}")
+        f"device has {have / 2**30:.1f} GiB; lower --max_bytes to at most {most}")
 
 
 def _write_model(outdir: str, records: list[dict[str, Any]], out: run_folder.RunOutputs) -> None:
@@ -89,92 +88,124 @@ def _nccl_facts(outdir: str, meta: dict[str, Any], out: run_folder.RunOutputs) -
   return facts
 
 
-def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
-            nodes_per_rack: int | None, flag_values: dict[str, Any],
-            cluster: distributed.Settings = distributed.Settings(), compilation_cache: str = compile_cache.OFF) -> int:
-  """Runs (or, for a target, compiles) the sweep into `outdir`; returns the exit code. `compilation_cache`:
-  --compilation_cache (compile_cache.resolve; off for API callers unless asked)."""
-  target = None
+@dataclasses.dataclass
+class _Devices:
+  """Where the sweep runs: the mesh on the machine (or on a target's compile-only devices) and how it was found."""
+  cfg: sweep.SweepConfig
+  topology: Topology
+  mesh: Any
+  note: str
+  hosts: list[str]
+  emulated: bool
+  target: Any = None  # the compile-only target (machine.resolve_target), None for a run
+  capture_nccl: bool = False
+
+
+def _target_devices(cfg: sweep.SweepConfig, topology: Topology | None, nodes_per_rack: int | None) -> _Devices:
+  """Compile-only devices of a GPU or TPU kind: nothing runs, no processes to join."""
+  try:
+    topology, target, mesh, note = machine.resolve_target(cfg.target, topology, nodes_per_rack)
+  except (TopologyError, gpu_compile.TargetError, gpu_compile.KindError, tpu_compile.TargetError,
+          tpu_kinds.KindError) as e:
+    raise settings.SettingsError(str(e)) from None
   tpu = machine.is_tpu_target(cfg.target)
-  if cfg.target:  # compile-only devices of a GPU kind: nothing runs, no processes to join
-    try:
-      topology, target, mesh, note = machine.resolve_target(cfg.target, topology, nodes_per_rack)
-    except (TopologyError, gpu_compile.TargetError, gpu_compile.KindError, tpu_compile.TargetError,
-            tpu_kinds.KindError) as e:
-      raise app.UsageError(str(e)) from None
-    cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes,
-                              memory_fraction=gpu_compile.TPU_MEM_FRACTION if tpu else None)
-    capture_nccl = False  # nothing runs, no communicator starts
-    emulated, hosts = False, [f"compile-only-host-{i}" for i in range(target.hosts)]
-    import jax  # pylint: disable=g-import-not-at-top
-  else:
-    capture_nccl = nccl_debug.wanted(cfg.nccl_debug)
-    if capture_nccl:  # before any communicator starts: NCCL reads its variables once
-      nccl_debug.enable(outdir)
-    distributed.initialize(cluster)
-    emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
-    import jax  # pylint: disable=g-import-not-at-top
-    try:
-      topology, mesh, note = machine.resolve(topology, nodes_per_rack)
-    except TopologyError as e:
-      raise app.UsageError(str(e)) from None
-    hosts = distributed.process_hosts()
-  refused = None if target else command_buffer.refusal(cfg.command_buffer, mesh.devices.flat[0].platform)
-  if refused:
-    raise app.UsageError(refused)
+  cfg = dataclasses.replace(cfg, device_memory=target.memory_bytes,
+                            memory_fraction=gpu_compile.TPU_MEM_FRACTION if tpu else None)
+  # nothing runs, no communicator starts: no NCCL log to capture
+  return _Devices(cfg, topology, mesh, note, [f"compile-only-host-{i}" for i in range(target.hosts)], False, target)
+
+
+def _run_devices(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, nodes_per_rack: int | None,
+                 cluster: distributed.Settings) -> _Devices:
+  """This job's devices: NCCL's log capture set up before any communicator, the processes joined, the mesh."""
+  capture_nccl = nccl_debug.wanted(cfg.nccl_debug)
+  if capture_nccl:  # before any communicator starts: NCCL reads its variables once
+    nccl_debug.enable(outdir)
+  distributed.initialize(cluster)
+  emulated = machine.prepare_cpu_devices(topology, cluster.enabled)
+  try:
+    topology, mesh, note = machine.resolve(topology, nodes_per_rack)
+  except TopologyError as e:
+    raise settings.SettingsError(str(e)) from None
+  return _Devices(cfg, topology, mesh, note, distributed.process_hosts(), emulated, capture_nccl=capture_nccl)
+
+
+def _compilation_cache(compilation_cache: str, cfg: sweep.SweepConfig) -> tuple[str | None, str]:
+  """(the cache folder in use or None, what meta.json records)."""
   cache_dir, cache_note = compile_cache.resolve(compilation_cache, cfg.target, cfg.command_buffer)
   if cache_dir:
     try:
       compile_cache.enable(cache_dir)
     except OSError as e:  # an unwritable folder: the sweep compiles as without the cache
       cache_dir, cache_note = None, f"off: {cache_dir}: {e.strerror}"
+  return cache_dir, cache_note
+
+
+def _sized(cfg: sweep.SweepConfig, dev: _Devices, outdir: str) -> sweep.SweepConfig:
+  """--max_bytes=auto for the platform, refused when a run's points cannot fit; traces into the run folder."""
   if cfg.max_bytes is None:  # --max_bytes=auto
-    platform = mesh.devices.flat[0].platform
+    platform = dev.mesh.devices.flat[0].platform
     cfg = dataclasses.replace(cfg, max_bytes=sizes.default_max_bytes(platform, cfg.min_bytes))
-  if not target:  # a compile-only run reports each point's fit instead
+  if not dev.target:  # a compile-only run reports each point's fit instead
     _check_memory(cfg)
   if cfg.profile_points:
     cfg = dataclasses.replace(cfg, profile_dir=outdir)
-  plans = plan_scopes(topology, cfg.scopes)
+  return cfg
+
+
+@dataclasses.dataclass
+class _Fabric:
+  """The link peaks the points are read against and, on a GPU fabric, what the fabric model expects per scope."""
+  fab: Any
+  peaks: dict[str, link_peaks.LevelPeak]
+  found: Any = None  # expected.machine(...) where the model applies
+  models: dict[str, expected.ScopeModel] = dataclasses.field(default_factory=dict)
+
+
+def _fabric(cfg: sweep.SweepConfig, dev: _Devices, plans: list) -> _Fabric:
+  device = dev.mesh.devices.flat[0]
   try:
     fab = fabric_description.parse(cfg.fabric) if cfg.fabric and cfg.fabric.strip().lower() != expected.OFF else None
     given = {**(fab.level_peaks() if fab else {}), **link_peaks.parse(cfg.link_peaks)}
-    peaks = link_peaks.resolve(mesh.devices.flat[0].device_kind, given)
+    peaks = link_peaks.resolve(device.device_kind, given)
   except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
-    raise app.UsageError(str(e)) from None
-  models: dict[str, expected.ScopeModel] = {}
+    raise settings.SettingsError(str(e)) from None
   # The fabric model's expectations describe GPU fabrics; a TPU pod's bound is the torus model's peak per scope.
-  expects = not target and not tpu_peaks.is_tpu_mesh(mesh.axis_names)
-  if expects:  # what the fabric model expects of each scope's points (nothing is measured for a target)
-    found = expected.machine(cfg.fabric, mesh.devices.flat[0].device_kind, mesh.devices.flat[0].platform,
-                             topology.gpus)
-    models = {p.name: expected.scope_model(found.fabric, found.source, p.groups, topology.shape)
-              for p in plans if not p.skip_reason}
-  out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
-  previous = run_folder.read_results(outdir) if resumed else []
-  done = sweep.finished_points(previous)
-  old_meta = (run_folder.read_meta(outdir) or {}) if resumed else {}
-  meta = {
-      **machine.describe(mesh, hosts),
-      "topology": topology.as_dict(), "topology_source": note, "cpu_devices_emulated": emulated,
-      "flags": flag_values, "max_bytes": cfg.max_bytes, "started_at": old_meta.get("started_at", _now()),
+  if dev.target or tpu_peaks.is_tpu_mesh(dev.mesh.axis_names):  # nothing is measured for a target
+    return _Fabric(fab, peaks)
+  found = expected.machine(cfg.fabric, device.device_kind, device.platform, dev.topology.gpus)
+  models = {p.name: expected.scope_model(found.fabric, found.source, p.groups, dev.topology.shape)
+            for p in plans if not p.skip_reason}
+  return _Fabric(fab, peaks, found, models)
+
+
+def _meta(dev: _Devices, fabric: _Fabric, plans: list, flag_values: dict[str, Any], cache_note: str,
+          old_meta: dict[str, Any], resumed: bool, enabled: bool) -> dict[str, Any]:
+  """meta.json as the run starts (status running)."""
+  found = fabric.found
+  return {
+      **machine.describe(dev.mesh, dev.hosts),
+      "topology": dev.topology.as_dict(), "topology_source": dev.note, "cpu_devices_emulated": dev.emulated,
+      "flags": flag_values, "max_bytes": dev.cfg.max_bytes, "started_at": old_meta.get("started_at", _now()),
       "resumed_at": old_meta.get("resumed_at", []) + ([_now()] if resumed else []),
       "scopes": {p.name: {"axes": list(p.axes), "group_size": p.group_size, "num_groups": p.num_groups,
                           "groups": p.groups.tolist(), "skipped": p.skip_reason} for p in plans},
       "status": "running",
-      "link_peaks": link_peaks.describe(peaks),
-      "fabric": fab.describe() if fab else None,
+      "link_peaks": link_peaks.describe(fabric.peaks),
+      "fabric": fabric.fab.describe() if fabric.fab else None,
       "expected": {**found.describe(), "low_ratio": expected.LOW_RATIO,
-                   "scopes": {name: m.describe() for name, m in models.items()}} if expects else None,
-      "target": target.describe() if target else None,
+                   "scopes": {name: m.describe() for name, m in fabric.models.items()}} if found else None,
+      "target": dev.target.describe() if dev.target else None,
       "compilation_cache": cache_note,
-      "environment": environment.capture(hosts) if out.enabled else None,
+      "environment": environment.capture(dev.hosts) if enabled else None,
   }
-  out.write_meta(meta)
-  out.config(flag_values, {k: flags.FLAGS[k].default for k in flag_values  # what differs first, then all
-                           if k in flags.FLAGS and k not in ("outdir", "resume")})
-  out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
+
+
+def _print_header(out: run_folder.RunOutputs, dev: _Devices, fabric: _Fabric, meta: dict[str, Any], outdir: str,
+                  cache_dir: str | None, resumed: bool, done: set[tuple]) -> None:
+  target, topology, mesh = dev.target, dev.topology, dev.mesh
   if target:
+    tpu = machine.is_tpu_target(dev.cfg.target)
     compiler = "XLA:TPU" if tpu else "XLA:GPU"
     what = (f"{target.kind.title} slice {topology}" if tpu else
             f"{target.hosts} host(s) x {target.gpus_per_host} {target.kind.title}")
@@ -185,15 +216,75 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
               f"{meta['device_count']} x {meta['device_kind']} ({meta['platform']})")
   for line in environment.header(meta["environment"]) if out.enabled else []:
     out.print(line)
-  out.print(f"# {note}")
-  if expects:
-    out.print(expected.summary_line(found))
+  out.print(f"# {dev.note}")
+  if fabric.found:
+    out.print(expected.summary_line(fabric.found))
   out.print(f"# mesh {dict(zip(mesh.axis_names, mesh.devices.shape))}; writing {os.path.abspath(outdir)}")
   if cache_dir:
     out.print(f"# compilation cache {cache_dir}: a program compiled by an earlier run is loaded (--compilation_cache)")
   if resumed:
     out.print(f"# resuming: {len(done)} point(s) already recorded are skipped")
+
+
+def recorded_defaults(flag_values: dict[str, Any]) -> dict[str, Any]:
+  """The defaults of the recorded settings (the folders aside): what the config text says differs from."""
+  every = settings.defaults()
+  return {k: every[k] for k in flag_values if k in every and k not in ("outdir", "resume")}
+
+
+def start(s: settings.SweepSettings, cluster: distributed.Settings = distributed.Settings()) -> int:
+  """The library's entry: `s` checked (settings.SettingsError, one line, before any device is touched), then
+  run as the command runs it; returns the exit code. A resumed run's caller loads its recorded settings."""
+  cfg = settings.check(s)
+  topology = settings.topology_of(s)
+  outdir = settings.outdir_of(s)
+  return execute(cfg, topology, outdir, resumed=bool(s.resume), nodes_per_rack=s.nodes_per_rack,
+                 flag_values=settings.recorded(s, cluster.enabled), cluster=cluster,
+                 compilation_cache=s.compilation_cache)
+
+
+def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, resumed: bool,
+            nodes_per_rack: int | None, flag_values: dict[str, Any],
+            cluster: distributed.Settings = distributed.Settings(), compilation_cache: str = compile_cache.OFF,
+            defaults: dict[str, Any] | None = None) -> int:
+  """Runs (or, for a target, compiles) the sweep of a checked `cfg` into `outdir`; returns the exit code.
+  `compilation_cache`: --compilation_cache (compile_cache.resolve; off for API callers unless asked).
+  `defaults`: what `flag_values` are compared with in the config text (None: the settings' own defaults).
+  What the devices refuse (a target, a topology, too large a size, a link peak) is a settings.SettingsError."""
+  if cfg.target:
+    dev = _target_devices(cfg, topology, nodes_per_rack)
+  else:
+    dev = _run_devices(cfg, topology, outdir, nodes_per_rack, cluster)
+  import jax  # pylint: disable=g-import-not-at-top
+  refused = None if dev.target else command_buffer.refusal(cfg.command_buffer, dev.mesh.devices.flat[0].platform)
+  if refused:
+    raise settings.SettingsError(refused)
+  cache_dir, cache_note = _compilation_cache(compilation_cache, cfg)
+  cfg = dev.cfg = _sized(dev.cfg, dev, outdir)
+  plans = plan_scopes(dev.topology, cfg.scopes)
+  fabric = _fabric(cfg, dev, plans)
+  out = run_folder.RunOutputs(outdir, enabled=jax.process_index() == 0)
+  previous = run_folder.read_results(outdir) if resumed else []
+  done = sweep.finished_points(previous)
+  old_meta = (run_folder.read_meta(outdir) or {}) if resumed else {}
+  meta = _meta(dev, fabric, plans, flag_values, cache_note, old_meta, resumed, out.enabled)
+  out.write_meta(meta)
+  out.config(flag_values, recorded_defaults(flag_values) if defaults is None else defaults)  # what differs first
+  out.layout(cfg.collectives, [p.name for p in plans if not p.skip_reason])
+  _print_header(out, dev, fabric, meta, outdir, cache_dir, resumed, done)
   records: list[dict[str, Any]] = []
+  status, code = _sweep(dev, fabric, plans, out, done, previous, records, meta, outdir)
+  if status is None:
+    return code
+  return _outcome(dev, plans, out, status, run_folder.latest(previous + records))
+
+
+def _sweep(dev: _Devices, fabric: _Fabric, plans: list, out: run_folder.RunOutputs, done: set[tuple],
+           previous: list[dict[str, Any]], records: list[dict[str, Any]], meta: dict[str, Any], outdir: str
+           ) -> tuple[str | None, int]:
+  """The sweep under the watchdog, meta.json's status and model.json kept (also on Ctrl-C, SIGTERM, a lost peer,
+  a failed point); (status, 0) to go on to the summary, or (None, exit code) when the run ends here."""
+  import jax  # pylint: disable=g-import-not-at-top
   status = "interrupted"
 
   def on_hang(label: str, seconds: float, rec: dict[str, Any] | None) -> None:
@@ -212,50 +303,48 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   # A launcher or scheduler stops jobs with SIGTERM: end like Ctrl-C, with meta.json saying so.
   signal.signal(signal.SIGTERM, _raise_interrupt)
   try:
-    sweep.run_sweep(cfg, mesh, peaks, plans, out, done, watchdog, records, models)
+    sweep.run_sweep(dev.cfg, dev.mesh, fabric.peaks, plans, out, done, watchdog, records, fabric.models)
     status = "finished"
   except KeyboardInterrupt:
     out.print("\n# interrupted: every finished point is in results.jsonl; continue with --resume")
-    return 130
+    return None, 130
   except sweep.JobFailed as e:
     status = "failed"
     meta["reason"] = str(e)
     out.print(f"\n# {e}; every finished point is in results.jsonl; continue with --resume={outdir}")
-    return JOB_FAILED
+    return None, JOB_FAILED
   except sweep.PointFailed as e:
     status = "failed"
     meta["reason"] = str(e)
     out.print(f"\n# stopped: {e}\n# every point measured before it is in results.jsonl; --keep_going measures"
               f" the rest past failed points, --resume={outdir} tries the failed point again")
   finally:
-    if capture_nccl and out.enabled:
+    if dev.capture_nccl and out.enabled:
       meta["nccl"] = _nccl_facts(outdir, meta, out)
     meta.update(status=status, finished_at=_now(), points_this_run=len(records))
     out.write_meta(meta)
     out.close()
     if out.enabled:
       _write_model(outdir, run_folder.latest(previous + records), out)
-  everything = run_folder.latest(previous + records)
+  return status, 0
+
+
+def _outcome(dev: _Devices, plans: list, out: run_folder.RunOutputs, status: str,
+             everything: list[dict[str, Any]]) -> int:
+  """The closing lines (the summary table, wrong values, failed points) and the exit code."""
   if status == "finished" and not everything:  # every scope skipped, every point refused: nothing was checked
     why = "; ".join(f"{p.name}: {p.skip_reason}" for p in plans if p.skip_reason) or (
         "every collective refused every dtype or group size asked")
     print(f"microbench: error: nothing to measure or check ({why}); no point is recorded", file=sys.stderr)
     return 2
   out.print()
-  if not target:
+  if not dev.target:
     out.print(table.summary(everything))
   wrong = sum((r.get("wrong") or 0) + (r.get("timed_wrong") or 0) for r in everything if r["status"] == "ok")
   errors = [r for r in everything if r["status"] == "error"]
   failed = [r for r in everything if r["status"] in ("failed", "skipped")]  # `skipped`: older runs' name
-  compiled = [r for r in everything if r["status"] == "compiled"]
-  if target:
-    too_big = [r for r in compiled if r.get("fits") is False]
-    usable = ("the whole" if tpu else f"the {gpu_compile.mem_fraction():.0%} of")
-    why = "XLA:TPU's allocator has all of it" if tpu else "XLA_PYTHON_CLIENT_MEM_FRACTION"
-    checked = "every one's HLO check passed" if not errors else f"{len(errors)} more failed their HLO check"
-    out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, {checked} on"
-              f" {'XLA:TPU' if tpu else 'XLA:GPU'}'s HLO; {len(too_big)} do not fit {usable}"
-              f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses ({why})")
+  if dev.target:
+    _target_summary(dev, out, everything, errors)
   else:
     out.print(f"# Out of bounds values : {wrong} {'FAILED' if wrong else 'OK'}")
   if failed:
@@ -265,3 +354,16 @@ def execute(cfg: sweep.SweepConfig, topology: Topology | None, outdir: str, *, r
   if errors:
     out.print(f"# {len(errors)} point(s) failed their HLO check: {errors[0]['reason']}")
   return 1 if wrong or errors or failed else 0
+
+
+def _target_summary(dev: _Devices, out: run_folder.RunOutputs, everything: list[dict[str, Any]],
+                    errors: list[dict[str, Any]]) -> None:
+  target, tpu = dev.target, machine.is_tpu_target(dev.cfg.target)
+  compiled = [r for r in everything if r["status"] == "compiled"]
+  too_big = [r for r in compiled if r.get("fits") is False]
+  usable = ("the whole" if tpu else f"the {gpu_compile.mem_fraction():.0%} of")
+  why = "XLA:TPU's allocator has all of it" if tpu else "XLA_PYTHON_CLIENT_MEM_FRACTION"
+  checked = "every one's HLO check passed" if not errors else f"{len(errors)} more failed their HLO check"
+  out.print(f"# {len(compiled)} point(s) compiled for {target.kind.title}, {checked} on"
+            f" {'XLA:TPU' if tpu else 'XLA:GPU'}'s HLO; {len(too_big)} do not fit {usable}"
+            f" {target.memory_bytes / 2**30:.1f} GiB per device that JAX uses ({why})")

@@ -1,10 +1,12 @@
 """`microbench`: nccl-tests-style collective sweeps over the machine's fabric levels.
 
-Flags only; the work is in microbench.bench.
+Flags only: they become microbench.bench.settings.SweepSettings, which the library checks (its SettingsError is
+the one-line `microbench: error: ...`) and runs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -13,13 +15,10 @@ from absl import app, flags
 
 from microbench.meshes import tpu_slice
 from microbench.meshes.scopes import SCOPES
-from microbench.bench import collectives, command_buffer, overlap, reduce_ops, run as bench_run, sizes, sweep
+from microbench.bench import collectives, command_buffer, reduce_ops, run as bench_run, settings as bench_settings
 from microbench.bench.program import DTYPES
 from microbench.cli import absl_app, cluster_flags
-from microbench.cluster import machine
-from microbench.fabric import description as fabric_description
 from microbench.fabric import link_peaks
-from microbench.fabric import tpu_kinds
 from microbench.output import run_folder
 
 FLAGS = flags.FLAGS
@@ -99,137 +98,18 @@ flags.DEFINE_string("inject_crash", None, "Fault injection RANK:POINT: process R
 flags.DEFINE_string("inject_hang", None, "Fault injection RANK:POINT: process RANK hangs in point POINT+1's timed"
                     " runs, like a collective that never returns.")
 
-SWEEP_FLAGS = ("collectives", "op", "inplace", "root", "profile_points", "scopes", "min_bytes", "max_bytes", "step_factor", "dtype", "iters", "sample_ms",
-               "warmup", "samples", "check", "keep_going", "nccl_debug", "topology", "nodes_per_rack", "link_peaks", "fabric", "hang_timeout", "target", "overlap",
-               "command_buffer")
-
-
-def _choose(values: list[str], allowed: tuple[str, ...], what: str, by_name: tuple[str, ...] = ()) -> tuple[str, ...]:
-  """`allowed` for 'all'; else the values, each in `allowed` or `by_name` (chosen only by name)."""
-  if values == ["all"]:
-    return allowed
-  allowed_by_name = allowed + by_name
-  bad = [v for v in values if v not in allowed_by_name]
-  if bad or not values:
-    raise app.UsageError(f"unknown {what} {', '.join(bad) or '(none)'}: choose from {', '.join(allowed_by_name)}"
-                         " or all")
-  return tuple(dict.fromkeys(values))
-
-
-def _with_ops(names: tuple[str, ...], ops: tuple[str, ...], dtypes: tuple[str, ...], explicit: bool,
-              inplace: str = "no", root: int = 0) -> tuple[str, ...]:
-  """Each reduction once per operator (all_reduce, all_reduce_max, ...), the others once; the broadcast from
-  `root`; each out of place, in place (<name>_inplace) or both (`inplace`). A collective the user named that can
-  run in none of the asked dtypes (or not in place) is refused (one line); with 'all' such pairs are skipped by
-  the sweep, which says so."""
-  out = []
-  modes = {"no": (False,), "yes": (True,), "both": (False, True)}[inplace]
-  for name in names:
-    for op in ops:
-      base = collectives.with_root(collectives.with_op(name, op).name, root).name
-      for in_place in modes:
-        coll = collectives.with_inplace(base) if in_place else collectives.get(base)
-        if coll.name in out:
-          continue
-        reasons = [coll.refuses(d) for d in dtypes]
-        if explicit and all(reasons) and len(modes) == 1:  # with both, the other form still runs: skipped, said
-          raise app.UsageError(reasons[0])
-        out.append(coll.name)
-  return tuple(out)
-
-
-def _rank_value(text: str | None, flag: str, scale: float) -> tuple[int, float] | None:
-  if not text:
-    return None
-  try:
-    rank, value = text.split(":")
-    return int(rank), float(value) * scale
-  except ValueError:
-    raise app.UsageError(f"--{flag}={text!r}: expected RANK:NUMBER, e.g. 1:50") from None
-
+SWEEP_FLAGS = bench_settings.RECORDED  # recorded in meta.json; a resumed run takes them back from there
 
 # What only a run does (processes, fault injection, traces of timed calls): refused with --target.
-RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "inject_delay", "inject_crash", "inject_hang", "profile_points", "warmup",
-                  "samples", "sample_ms", "hang_timeout", "nccl_debug")  # timing and fault flags: a compile-only run times nothing
+RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, *bench_settings.RUN_ONLY)  # a compile-only run times nothing
+
+_choose = bench_settings.choose  # kept for callers of the command's module
 
 
-def config_from_flags() -> sweep.SweepConfig:
-  cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)
-  try:
-    lo = sizes.parse_size(FLAGS.min_bytes)
-    hi = None if FLAGS.max_bytes == "auto" else sizes.parse_size(FLAGS.max_bytes)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  if lo < 1 or hi is not None and hi < 1:
-    raise app.UsageError("--min_bytes and --max_bytes must be positive")
-  if hi is not None and lo > hi:
-    raise app.UsageError(f"--min_bytes={FLAGS.min_bytes} is larger than --max_bytes={FLAGS.max_bytes}")
-  if FLAGS.step_factor <= 1 and (hi is None or lo < hi):
-    raise app.UsageError(f"--step_factor={FLAGS.step_factor} must be > 1")
-  if FLAGS.step_factor < run_folder.MIN_STEP_FACTOR and (hi is None or lo < hi):
-    raise app.UsageError(f"--step_factor={FLAGS.step_factor} puts neighbouring sizes on one TensorBoard step"
-                         f" (step = round(10 x log2(bytes))): use >= {run_folder.MIN_STEP_FACTOR:.4f}")
-  for name in ("iters", "samples"):
-    if getattr(FLAGS, name) < 1:
-      raise app.UsageError(f"--{name}={getattr(FLAGS, name)} must be >= 1")
-  if 1 < FLAGS.iters < 6:
-    raise app.UsageError(f"--iters={FLAGS.iters}: use 1 (latency mode: one operation per sample) or >= 6 (the"
-                         " long timed program; the short one runs 2)")
-  if FLAGS.hang_timeout <= 0:
-    raise app.UsageError(f"--hang_timeout={FLAGS.hang_timeout} must be > 0")
-  if FLAGS.sample_ms < 0:
-    raise app.UsageError(f"--sample_ms={FLAGS.sample_ms} must be >= 0")
-  if FLAGS.warmup < 0:
-    raise app.UsageError(f"--warmup={FLAGS.warmup} must be >= 0")
-  crash = _rank_value(FLAGS.inject_crash, "inject_crash", 1)
-  try:
-    link_peaks.parse(FLAGS.link_peaks)
-    if FLAGS.fabric and FLAGS.fabric.strip().lower() != "none":
-      fabric_description.parse(FLAGS.fabric)
-  except (link_peaks.LinkPeakError, fabric_description.FabricError) as e:
-    raise app.UsageError(str(e)) from None
-  hang = _rank_value(FLAGS.inject_hang, "inject_hang", 1)
-  dtypes = _choose(FLAGS.dtype, tuple(DTYPES), "dtype")
-  try:
-    profile = tuple(int(v) for v in FLAGS.profile_points)
-  except ValueError:
-    raise app.UsageError(f"--profile_points={','.join(FLAGS.profile_points)}: give point numbers, e.g. 1,5") from None
-  if any(v < 1 for v in profile):
-    raise app.UsageError(f"--profile_points={','.join(FLAGS.profile_points)}: points are numbered from 1")
-  if profile and FLAGS.iters == 1:
-    raise app.UsageError("--profile_points traces the timed programs: not in latency mode (--iters=1)")
-  if FLAGS.root < 0:
-    raise app.UsageError(f"--root={FLAGS.root}: the broadcast's source is a group rank, >= 0")
-  try:
-    overlap_spec = overlap.parse_spec(FLAGS.overlap)
-  except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  if overlap_spec and FLAGS.command_buffer != "no":
-    raise app.UsageError(f"--command_buffer={FLAGS.command_buffer} with --overlap: the overlap arms are compiled"
-                         " without command buffers; measure them apart")
-  if overlap_spec and FLAGS.iters == 1:
-    raise app.UsageError("--overlap times its three arms by difference: not in latency mode (--iters=1)")
-  tpu = machine.is_tpu_target(FLAGS.target)
-  if tpu and (overlap_spec or FLAGS.command_buffer != "no"):
-    raise app.UsageError(f"--{'overlap' if overlap_spec else 'command_buffer'} reads XLA:GPU's schedule and thunks;"
-                         f" a TPU --target={FLAGS.target} compiles with XLA:TPU: drop it")
-  for name in FLAGS.collectives:
-    if refused := command_buffer.refuses_collective(FLAGS.command_buffer, name):
-      raise app.UsageError(refused)
-  return sweep.SweepConfig(
-      collectives=_with_ops(_choose(FLAGS.collectives, collectives.NAMES, "collective", collectives.RAGGED),
-                            _choose(FLAGS.op, reduce_ops.OPS, "reduction operator"), dtypes,
-                            explicit=FLAGS.collectives != ["all"], inplace=FLAGS.inplace, root=FLAGS.root),
-      scopes=_choose(FLAGS.scopes, tpu_slice.SCOPES, "TPU scope") if tpu else _choose(FLAGS.scopes, SCOPES, "scope"),
-      dtypes=dtypes,
-      min_bytes=lo, max_bytes=hi, step_factor=FLAGS.step_factor,
-      iters=FLAGS.iters, warmup=FLAGS.warmup, samples=FLAGS.samples, check=FLAGS.check,
-      sample_s=FLAGS.sample_ms * 1e-3, hang_timeout=FLAGS.hang_timeout,
-      inject_delay=_rank_value(FLAGS.inject_delay, "inject_delay", 1e-3),
-      inject_crash=(crash[0], int(crash[1])) if crash else None, link_peaks=FLAGS.link_peaks, fabric=FLAGS.fabric,
-      inject_hang=(hang[0], int(hang[1])) if hang else None, target=FLAGS.target, profile_points=profile,
-      keep_going=FLAGS.keep_going, nccl_debug=FLAGS.nccl_debug, overlap=overlap_spec,
-      command_buffer=FLAGS.command_buffer)
+def settings_from_flags() -> bench_settings.SweepSettings:
+  """The flags as the library's sweep settings, unchecked (bench_settings.check refuses what cannot run)."""
+  values = {f.name: FLAGS[f.name].value for f in dataclasses.fields(bench_settings.SweepSettings)}
+  return bench_settings.SweepSettings(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
 
 def main(argv: list[str]) -> int:
@@ -238,19 +118,18 @@ def main(argv: list[str]) -> int:
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" chatter on every start
   if FLAGS.resume:
     _load_resumed_flags(FLAGS.resume)
-  cfg = config_from_flags()
+  cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)  # the job's flags too, in one line
+  s = settings_from_flags()
   try:
-    topology = machine.parse_target_topology(FLAGS.target, FLAGS.topology)
-  except (machine.TopologyError, tpu_kinds.KindError) as e:
+    cfg = bench_settings.check(s)
+    topology = bench_settings.topology_of(s)
+    outdir = bench_settings.outdir_of(s)
+    cluster = cluster_flags.settings()
+    code = bench_run.execute(cfg, topology, outdir, resumed=bool(s.resume), nodes_per_rack=s.nodes_per_rack,
+                             flag_values=bench_settings.recorded(s, cluster.enabled), cluster=cluster,
+                             compilation_cache=s.compilation_cache)
+  except bench_settings.SettingsError as e:
     raise app.UsageError(str(e)) from None
-  outdir = FLAGS.resume or FLAGS.outdir or os.path.join("runs", run_folder.default_name())
-  if not FLAGS.resume and run_folder.read_meta(outdir) is not None:
-    raise app.UsageError(f"--outdir={outdir} already holds a run: choose a new folder, or continue that run"
-                         f" with --resume={outdir}")
-  flag_values = {name: FLAGS[name].value for name in SWEEP_FLAGS + ("outdir", "resume", "distributed")}
-  code = bench_run.execute(cfg, topology, outdir, resumed=bool(FLAGS.resume), nodes_per_rack=FLAGS.nodes_per_rack,
-                           flag_values=flag_values, cluster=cluster_flags.settings(),
-                           compilation_cache=FLAGS.compilation_cache)
   if code == bench_run.JOB_FAILED:
     # A peer is gone: skip jax.distributed's shutdown barrier, which would only wait for it and abort.
     sys.stdout.flush()
