@@ -206,18 +206,56 @@ def _hang_here(cfg: SweepConfig, index: int) -> bool:
   return bool(cfg.inject_hang and cfg.inject_hang[0] == jax.process_index() and index == cfg.inject_hang[1] + 1)
 
 
-def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collective, dtype: str,
-              requested: int, barrier, watchdog: Watchdog | None = None, expected_op_s: float = 0.0,
-              index: int = 0, total: int = 0, also_requested: tuple[int, ...] = ()) -> dict[str, Any]:
-  """Measures one point. `expected_op_s` (from the block's previous point, 0 if none) sizes the watchdog's
-  deadlines and, when known, the long arm, so all three programs compile at once."""
-  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
-  n = plan.group_size
-  count = round_count(requested, itemsize, coll.count_multiple(n))
-  platform = program.platform_of(mesh)
+class _HloFailed(Exception):
+  """An HLO check failed at one stage of a point: the point is recorded as an error naming the stage."""
+
+  def __init__(self, error: hlo_check.HloMismatch, stage: str | None):
+    super().__init__(str(error))
+    self.error, self.stage = error, stage
+
+
+@contextlib.contextmanager
+def _hlo_stage(stage: str | None = None):
+  """Marks HLO checks failing inside with `stage` (run_point records them, the sweep goes on)."""
+  try:
+    yield
+  except hlo_check.HloMismatch as e:
+    raise _HloFailed(e, stage) from e
+
+
+def _hlo_error(rec: dict[str, Any], failed: _HloFailed) -> dict[str, Any]:
+  where = f" ({failed.stage})" if failed.stage else ""
+  return {**rec, "status": "error", "reason": f"HLO check failed{where}: {failed.error}"}
+
+
+@dataclasses.dataclass
+class _PointRun:
+  """One point on its way: what it runs on, its record so far and the watchdog's view of it."""
+  cfg: SweepConfig
+  mesh: Any
+  plan: ScopePlan
+  coll: collectives.Collective
+  dtype: str
+  count: int
+  platform: str
+  rec: dict[str, Any]
+  guard: _Guard
+  barrier: Any
+  index: int
+  expected_op_s: float  # seconds per operation, once known (the probe raises it): sizes the deadlines
+  delay: float = 0.0  # fault injection: seconds this process adds per operation
+  arm: command_buffer.Arm | None = None  # XLA:GPU's command buffers of the first arm (None off GPUs)
+
+  def op_s(self) -> float:
+    return self.expected_op_s + self.delay
+
+
+def _point_record(cfg: SweepConfig, plan: ScopePlan, coll: collectives.Collective, dtype: str, requested: int,
+                  count: int, itemsize: int, platform: str, index: int, total: int,
+                  also_requested: tuple[int, ...]) -> dict[str, Any]:
   rec: dict[str, Any] = {
       "collective": coll.name, "scope": plan.name, "dtype": dtype, "requested_bytes": requested,
-      "bytes": count * itemsize, "count": count, "group_size": n, "num_groups": plan.num_groups,
+      "bytes": count * itemsize, "count": count, "group_size": plan.group_size, "num_groups": plan.num_groups,
       "iters": cfg.iters, "samples": cfg.samples, "warmup": cfg.warmup,
       "impl": coll.impl(platform) + (", in place" if coll.inplace else ""),
       **({"op": coll.redop} if coll.redop else {}), **({"inplace": True} if coll.inplace else {}),
@@ -226,21 +264,44 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
   }
   if also_requested:
     rec["also_requested"] = list(also_requested)
-  guard = _Guard(watchdog, cfg.hang_timeout, rec)
-  delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
-  reps = None
-  arm = command_buffer.main_arm(cfg.command_buffer, platform)  # None off GPUs
-  if arm is not None:
+  return rec
+
+
+def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collective, dtype: str,
+              requested: int, barrier, watchdog: Watchdog | None = None, expected_op_s: float = 0.0,
+              index: int = 0, total: int = 0, also_requested: tuple[int, ...] = ()) -> dict[str, Any]:
+  """Measures one point. `expected_op_s` (from the block's previous point, 0 if none) sizes the watchdog's
+  deadlines and, when known, the long arm, so all three programs compile at once."""
+  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
+  count = round_count(requested, itemsize, coll.count_multiple(plan.group_size))
+  platform = program.platform_of(mesh)
+  rec = _point_record(cfg, plan, coll, dtype, requested, count, itemsize, platform, index, total, also_requested)
+  p = _PointRun(cfg, mesh, plan, coll, dtype, count, platform, rec, _Guard(watchdog, cfg.hang_timeout, rec),
+                barrier, index, expected_op_s)
+  p.delay = cfg.inject_delay[1] if cfg.inject_delay and cfg.inject_delay[0] == jax.process_index() else 0.0
+  p.arm = command_buffer.main_arm(cfg.command_buffer, platform)  # None off GPUs
+  if p.arm is not None:
     rec["command_buffer"] = cfg.command_buffer
+  reps = None
   if cfg.target and not cfg.latency_mode:
     reps = max(program.MIN_LONG_REPS, cfg.iters - cfg.iters % 2)  # nothing runs: the long arm at --iters
   elif not cfg.latency_mode and expected_op_s > 0:
     reps = program.long_reps(expected_op_s, cfg.iters, cfg.sample_s)
+  try:
+    return _compiled_and_measured(p, reps)
+  except _HloFailed as failed:
+    return _hlo_error(rec, failed)
+
+
+def _compiled_and_measured(p: _PointRun, reps: int | None) -> dict[str, Any]:
+  """The point's programs compiled (a failure recorded), then compiled facts for a target or the measurement."""
+  cfg, rec = p.cfg, p.rec
   t0 = time.perf_counter()
   try:
-    point, short, long = _compile_point(cfg, coll, mesh, plan, count, dtype, reps, arm)
-  except hlo_check.HloMismatch as e:
-    return {**rec, "status": "error", "reason": f"HLO check failed: {e}"}
+    with _hlo_stage():
+      point, short, long = _compile_point(cfg, p.coll, p.mesh, p.plan, p.count, p.dtype, reps, p.arm)
+  except _HloFailed:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     if cfg.target and "RESOURCE_EXHAUSTED" in str(e):  # XLA's own refusal to place the buffers: does not fit
       return {**rec, "status": "compiled", "target": cfg.target, "programs": {}, "fits": False,
@@ -249,139 +310,191 @@ def run_point(cfg: SweepConfig, mesh, plan: ScopePlan, coll: collectives.Collect
     return {**rec, "status": "failed", "reason": f"compile failed: {type(e).__name__}: {_first_line(e)}"}
   rec.update(compile_s=time.perf_counter() - t0, hlo=point.check_prog.verified.match.text[:400],
              wire_dtype=point.wire_dtype, check_runs=point.check_runs)
-  if coll.inplace:  # XLA runs some ops out of place: in place then costs a copy of the message per operation
+  if p.coll.inplace:  # XLA runs some ops out of place: in place then costs a copy of the message per operation
     rec["inplace_copies_per_op"] = point.check_prog.verified.copies
   if cfg.target:
-    try:  # --command_buffer=both: the same programs with command buffers, compiled and checked too
-      extra = _command_buffer_programs(cfg, point, reps) if cfg.command_buffer == "both" else {}
-    except hlo_check.HloMismatch as e:
-      return {**rec, "status": "error", "reason": f"HLO check failed (command buffers): {e}"}
-    if not cfg.overlap:
-      return compiled_record(cfg, rec, point, short, long, extra)
-    try:  # the both arm compiled beside the point's programs, its schedule read
-      return {**compiled_record(cfg, rec, point, short, long, extra),
-              **overlap.compiled_facts(cfg.overlap, coll, mesh, plan, count, dtype, long)}
-    except hlo_check.HloMismatch as e:
-      return {**rec, "status": "error", "reason": f"HLO check failed (overlap arms): {e}"}
+    return _target_point(p, point, short, long, reps)
   try:
-    t_check = time.perf_counter()
-    with guard("correctness check", expected_op_s):
-      wrong = program.check(point, compare=cfg.check)
-      wrong = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
-      if wrong:
-        rec["wrong_at"] = _wrong_at(point.wrong_at)
-    rec["check_s"] = time.perf_counter() - t_check  # inputs made, the check program run and compared
-    if cfg.latency_mode:
-      with guard("timed runs", (cfg.warmup + cfg.samples) * (expected_op_s + delay)):
-        if _hang_here(cfg, index):
-          time.sleep(1e9)  # fault injection: a collective that never returns
-        times, timed_wrong = program.time_calls(point, cfg.warmup, cfg.samples, barrier, delay)
-        times = _gather(times)
-      stats = latency_stats(times)
-      if cfg.check:
-        rec["timed_wrong"] = int(_gather(np.asarray([timed_wrong], np.int64)).sum())
-        rec["timed_check"] = f"every one of the {cfg.samples} timed calls' output compared (digests)"
-    else:
-      if long is None:  # first point of a block: size the long arm from one measured call
-        with guard("probe run", expected_op_s):
-          call_s = program.call_time(point)
-        reps = program.long_reps(call_s, cfg.iters, cfg.sample_s)
-        if jax.process_count() > 1:  # every process must run the same programs
-          with guard("agreeing on repetitions"):
-            reps = int(_gather(np.asarray([reps])).min())
-        t1 = time.perf_counter()
-        try:
-          long = _submit_long(_compile_pool(), cfg, coll, mesh, plan, count, dtype, reps, arm)()
-        except hlo_check.HloMismatch as e:
-          return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
-        rec["compile_s"] += time.perf_counter() - t1
-        expected_op_s = max(expected_op_s, call_s)
-      rec["iters"], rec["short_iters"] = long.reps, short.reps
-      rec["trip_count"] = max(long.verified.trip_counts, default=None)
-      rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
-      if shape := program.form(coll, count, n, long):  # the platform's form of the op: part of what is timed
-        rec["form"] = shape
-      if coll.inplace:
-        rec["inplace_copies_per_op"] = long.verified.copies / long.reps
-      carry = program.initial_carry(point)
-      graphs = command_buffer.GRAPH_WARMUP if arm is not None and arm.on else 0  # --command_buffer=yes
-      period = coll.period(n)
-      per_pair = (short.reps + long.reps) * (expected_op_s + delay)
-      untimed = len(program.untimed_calls(cfg.warmup, short.reps, long.reps, period))
-      with guard("timed runs", (untimed + cfg.samples) * per_pair):
-        if _hang_here(cfg, index):
-          time.sleep(1e9)  # fault injection: a collective that never returns
-        t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, barrier, delay,
-                                                    _resolved(short.reps, long.reps), graphs, period)
-        t_short, t_long = _gather(t_short), _gather(t_long)
-      stats = difference_stats(t_short, t_long, short.reps, long.reps)
-      more = longer_reps(long.reps, stats, cfg.iters)
-      if more:  # --sample_ms capped the long arm below what resolves the operation: once more, longer
-        try:
-          long = program.build_timed(coll, mesh, plan, count, dtype, more, command_buffer=arm)
-        except hlo_check.HloMismatch as e:
-          return {**rec, "status": "error", "reason": f"HLO check failed (timed program): {e}"}
-        with guard("timed runs", (untimed + cfg.samples) * (short.reps + more) * (expected_op_s + delay)):
-          t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
-                                                      cfg.samples, barrier, delay, _resolved(short.reps, more), graphs,
-                                                      period)
-          t_short, t_long = _gather(t_short), _gather(t_long)
-        rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
-        stats = difference_stats(t_short, t_long, short.reps, long.reps)
-      rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
-      if cfg.check:  # the timed calls' own output: their checked twins' every repetition, the final carry
-        t_timed_check = time.perf_counter()
-        reps, digested = program.chain_reps(cfg.warmup, rec["samples"], short.reps, long.reps, graphs, period)
-        timed_wrong, rec["timed_check"] = program.check_timed(point, carry, reps, digested)
-        del carry
-        if coll.compared_to_op(n, platform):  # no known output: the plain programs replayed beside their twins
-          with guard("replayed timed programs", 4 * (short.reps + long.reps) * (expected_op_s + delay)):
-            replay_wrong, replayed = program.replay_check(point, short, long)
-          timed_wrong += replay_wrong
-          rec["timed_check"] += f"; {replayed}"
-        rec["timed_check_s"] = time.perf_counter() - t_timed_check
-        rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
-      else:
-        del carry
-      if cfg.overlap:  # the collective beside a matmul: three arms, timed interleaved (overlap.py)
-        try:
-          arms_s = 4 * (cfg.warmup + cfg.samples) * (short.reps + long.reps) * (expected_op_s + delay)
-          with guard("overlap arms", arms_s):
-            rec.update(overlap.measure(cfg.overlap, point, short, long, stats["time_us"] * 1e-6, cfg.warmup,
-                                       cfg.samples, barrier, _gather, check=cfg.check))
-        except hlo_check.HloMismatch as e:
-          return {**rec, "status": "error", "reason": f"HLO check failed (overlap arms): {e}"}
-        if overlap.wrong(rec):  # a wrong arm fails the run as a wrong timed program does
-          rec["timed_wrong"] = (rec.get("timed_wrong") or 0) + overlap.wrong(rec)
-      if index in cfg.profile_points and cfg.profile_dir:
-        with guard("profiled runs", (short.reps + long.reps) * (expected_op_s + delay)):
-          rec["profile"] = profile_point(point, short, long, cfg.profile_dir, describe_point(rec))
-    if arm is not None and arm.check:  # where XLA:GPU runs the collective and the loop, per arm and program
-      rec["command_buffer_placement"] = {arm.name: _placement(point, short, long)}
-    if cfg.command_buffer == "both":  # the programs again, in command buffers: time_us_command_buffer
-      ops = 1 if cfg.latency_mode else short.reps + long.reps
-      try:
-        with guard("timed runs with command buffers", (cfg.warmup + cfg.samples) * ops * (expected_op_s + delay)):
-          second = _command_buffer_arm(cfg, point, short, long, barrier, delay)
-      except hlo_check.HloMismatch as e:
-        return {**rec, "status": "error", "reason": f"HLO check failed (command buffers): {e}"}
-      placement = second.pop("placement")
-      if any(placement.values()):
-        rec.setdefault("command_buffer_placement", {})["yes"] = placement
-      rec.update(second)
-      algbw_cb = rec["bytes"] / (second["time_us_command_buffer"] * 1e-6) / 1e9
-      rec.update(algbw_gbps_command_buffer=algbw_cb, busbw_gbps_command_buffer=algbw_cb * coll.busbw_factor(n, count))
-      if wrong is not None and second.get("wrong_command_buffer") is not None:
-        wrong += second["wrong_command_buffer"]  # a wrong second arm fails the run too
-      if rec.get("timed_wrong") is not None and second.get("timed_wrong_command_buffer") is not None:
-        rec["timed_wrong"] += second["timed_wrong_command_buffer"]
+    stats, wrong = _measured(p, point, short, long)
+  except _HloFailed:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     # e.g. RESOURCE_EXHAUSTED: the point is lost; the sweep stops after recording it, or with --keep_going
     # goes on (run_sweep decides).
     return {**rec, "status": "failed", "reason": f"run failed: {type(e).__name__}: {_first_line(e)}"}
   algbw = rec["bytes"] / (stats["time_us"] * 1e-6) / 1e9
   return {**rec, **stats, "status": "ok", "wrong": wrong, "algbw_gbps": algbw,
-          "busbw_gbps": algbw * coll.busbw_factor(n, count)}
+          "busbw_gbps": algbw * p.coll.busbw_factor(p.plan.group_size, p.count)}
+
+
+def _target_point(p: _PointRun, point: program.Point, short: program.Compiled | None,
+                  long: program.Compiled | None, reps: int | None) -> dict[str, Any]:
+  """A compile-only point: its programs' facts (with --command_buffer=both, the command-buffer programs too;
+  with --overlap, the both arm's schedule)."""
+  cfg = p.cfg
+  with _hlo_stage("command buffers"):  # --command_buffer=both: the same programs with command buffers
+    extra = _command_buffer_programs(cfg, point, reps) if cfg.command_buffer == "both" else {}
+  if not cfg.overlap:
+    return compiled_record(cfg, p.rec, point, short, long, extra)
+  with _hlo_stage("overlap arms"):  # the both arm compiled beside the point's programs, its schedule read
+    return {**compiled_record(cfg, p.rec, point, short, long, extra),
+            **overlap.compiled_facts(cfg.overlap, p.coll, p.mesh, p.plan, p.count, p.dtype, long)}
+
+
+def _measured(p: _PointRun, point: program.Point, short: program.Compiled | None,
+              long: program.Compiled | None) -> tuple[dict[str, Any], int | None]:
+  """The check, the timed runs and what follows them; (the time statistics, wrong elements of the check)."""
+  cfg, rec = p.cfg, p.rec
+  t_check = time.perf_counter()
+  with p.guard("correctness check", p.expected_op_s):
+    wrong = program.check(point, compare=cfg.check)
+    wrong = int(_gather(np.asarray([wrong], np.int64)).sum()) if cfg.check else None
+    if wrong:
+      rec["wrong_at"] = _wrong_at(point.wrong_at)
+  rec["check_s"] = time.perf_counter() - t_check  # inputs made, the check program run and compared
+  if cfg.latency_mode:
+    stats = _latency_runs(p, point)
+  else:
+    stats, long = _difference_runs(p, point, short, long)
+    if cfg.overlap:  # the collective beside a matmul: three arms, timed interleaved (overlap.py)
+      _overlap_arms(p, point, short, long, stats)
+    if p.index in cfg.profile_points and cfg.profile_dir:
+      with p.guard("profiled runs", (short.reps + long.reps) * p.op_s()):
+        rec["profile"] = profile_point(point, short, long, cfg.profile_dir, describe_point(rec))
+  if p.arm is not None and p.arm.check:  # where XLA:GPU runs the collective and the loop, per arm and program
+    rec["command_buffer_placement"] = {p.arm.name: _placement(point, short, long)}
+  if cfg.command_buffer == "both":  # the programs again, in command buffers: time_us_command_buffer
+    wrong = _second_arm(p, point, short, long, wrong)
+  return stats, wrong
+
+
+def _latency_runs(p: _PointRun, point: program.Point) -> dict[str, Any]:
+  """Latency mode: single operations timed, each call's output checked by digest."""
+  cfg, rec = p.cfg, p.rec
+  with p.guard("timed runs", (cfg.warmup + cfg.samples) * p.op_s()):
+    if _hang_here(cfg, p.index):
+      time.sleep(1e9)  # fault injection: a collective that never returns
+    times, timed_wrong = program.time_calls(point, cfg.warmup, cfg.samples, p.barrier, p.delay)
+    times = _gather(times)
+  stats = latency_stats(times)
+  if cfg.check:
+    rec["timed_wrong"] = int(_gather(np.asarray([timed_wrong], np.int64)).sum())
+    rec["timed_check"] = f"every one of the {cfg.samples} timed calls' output compared (digests)"
+  return stats
+
+
+def _probed_long(p: _PointRun, point: program.Point) -> program.Compiled:
+  """The first point of a block: the long arm sized from one measured call, compiled (and raises the
+  expected time per operation to that call's)."""
+  cfg = p.cfg
+  with p.guard("probe run", p.expected_op_s):
+    call_s = program.call_time(point)
+  reps = program.long_reps(call_s, cfg.iters, cfg.sample_s)
+  if jax.process_count() > 1:  # every process must run the same programs
+    with p.guard("agreeing on repetitions"):
+      reps = int(_gather(np.asarray([reps])).min())
+  t1 = time.perf_counter()
+  with _hlo_stage("timed program"):
+    long = _submit_long(_compile_pool(), cfg, p.coll, p.mesh, p.plan, p.count, p.dtype, reps, p.arm)()
+  p.rec["compile_s"] += time.perf_counter() - t1
+  p.expected_op_s = max(p.expected_op_s, call_s)
+  return long
+
+
+def _difference_runs(p: _PointRun, point: program.Point, short: program.Compiled, long: program.Compiled | None
+                     ) -> tuple[dict[str, Any], program.Compiled]:
+  """The short and long arms timed in alternating pairs (once more, longer, when --sample_ms capped the long arm
+  below what resolves the operation), then their own output checked; (the statistics, the long arm timed)."""
+  cfg, rec, coll, n = p.cfg, p.rec, p.coll, p.plan.group_size
+  if long is None:  # first point of a block: size the long arm from one measured call
+    long = _probed_long(p, point)
+  rec["iters"], rec["short_iters"] = long.reps, short.reps
+  rec["trip_count"] = max(long.verified.trip_counts, default=None)
+  rec["body_writes"] = long.verified.body_writes  # elements the loop body writes besides the collective
+  if shape := program.form(coll, p.count, n, long):  # the platform's form of the op: part of what is timed
+    rec["form"] = shape
+  if coll.inplace:
+    rec["inplace_copies_per_op"] = long.verified.copies / long.reps
+  carry = program.initial_carry(point)
+  graphs = command_buffer.GRAPH_WARMUP if p.arm is not None and p.arm.on else 0  # --command_buffer=yes
+  period = coll.period(n)
+  untimed = len(program.untimed_calls(cfg.warmup, short.reps, long.reps, period))
+  with p.guard("timed runs", (untimed + cfg.samples) * (short.reps + long.reps) * p.op_s()):
+    if _hang_here(cfg, p.index):
+      time.sleep(1e9)  # fault injection: a collective that never returns
+    t_short, t_long, carry = program.time_pairs(short, long, carry, cfg.warmup, cfg.samples, p.barrier, p.delay,
+                                                _resolved(short.reps, long.reps), graphs, period)
+    t_short, t_long = _gather(t_short), _gather(t_long)
+  stats = difference_stats(t_short, t_long, short.reps, long.reps)
+  more = longer_reps(long.reps, stats, cfg.iters)
+  if more:  # --sample_ms capped the long arm below what resolves the operation: once more, longer
+    with _hlo_stage("timed program"):
+      long = program.build_timed(coll, p.mesh, p.plan, p.count, p.dtype, more, command_buffer=p.arm)
+    with p.guard("timed runs", (untimed + cfg.samples) * (short.reps + more) * p.op_s()):
+      t_short, t_long, carry = program.time_pairs(short, long, program.initial_carry(point), cfg.warmup,
+                                                  cfg.samples, p.barrier, p.delay, _resolved(short.reps, more),
+                                                  graphs, period)
+      t_short, t_long = _gather(t_short), _gather(t_long)
+    rec.update(iters=long.reps, iters_first=rec["iters"], resolution_first=stats.get("resolution"))
+    stats = difference_stats(t_short, t_long, short.reps, long.reps)
+  rec["samples"] = int(t_long.shape[1])  # pairs taken (--samples is the most)
+  if cfg.check:  # the timed calls' own output: their checked twins' every repetition, the final carry
+    _check_timed(p, point, short, long, carry, graphs, period)
+  del carry
+  return stats, long
+
+
+def _check_timed(p: _PointRun, point: program.Point, short: program.Compiled, long: program.Compiled, carry,
+                 graphs: int, period: int) -> None:
+  """The timed calls' own output: their checked twins' every repetition and the final carry; with no known
+  output, the plain programs replayed beside their twins."""
+  rec, n = p.rec, p.plan.group_size
+  t_timed_check = time.perf_counter()
+  reps, digested = program.chain_reps(p.cfg.warmup, rec["samples"], short.reps, long.reps, graphs, period)
+  timed_wrong, rec["timed_check"] = program.check_timed(point, carry, reps, digested)
+  if p.coll.compared_to_op(n, p.platform):  # no known output: the plain programs replayed beside their twins
+    with p.guard("replayed timed programs", 4 * (short.reps + long.reps) * p.op_s()):
+      replay_wrong, replayed = program.replay_check(point, short, long)
+    timed_wrong += replay_wrong
+    rec["timed_check"] += f"; {replayed}"
+  rec["timed_check_s"] = time.perf_counter() - t_timed_check
+  rec["timed_wrong"] = None if timed_wrong is None else int(_gather(np.asarray([timed_wrong], np.int64)).sum())
+
+
+def _overlap_arms(p: _PointRun, point: program.Point, short: program.Compiled, long: program.Compiled,
+                  stats: dict[str, Any]) -> None:
+  """--overlap: the collective beside a matmul, three arms timed interleaved (overlap.py); a wrong arm fails
+  the run as a wrong timed program does."""
+  cfg, rec = p.cfg, p.rec
+  arms_s = 4 * (cfg.warmup + cfg.samples) * (short.reps + long.reps) * p.op_s()
+  with _hlo_stage("overlap arms"), p.guard("overlap arms", arms_s):
+    rec.update(overlap.measure(cfg.overlap, point, short, long, stats["time_us"] * 1e-6, cfg.warmup,
+                               cfg.samples, p.barrier, _gather, check=cfg.check))
+  if overlap.wrong(rec):
+    rec["timed_wrong"] = (rec.get("timed_wrong") or 0) + overlap.wrong(rec)
+
+
+def _second_arm(p: _PointRun, point: program.Point, short: program.Compiled | None, long: program.Compiled | None,
+                wrong: int | None) -> int | None:
+  """--command_buffer=both: the programs again in command buffers, timed after the first arm; returns the
+  check's wrong elements with the second arm's added (a wrong second arm fails the run too)."""
+  cfg, rec = p.cfg, p.rec
+  ops = 1 if cfg.latency_mode else short.reps + long.reps
+  with _hlo_stage("command buffers"):
+    with p.guard("timed runs with command buffers", (cfg.warmup + cfg.samples) * ops * p.op_s()):
+      second = _command_buffer_arm(cfg, point, short, long, p.barrier, p.delay)
+  placement = second.pop("placement")
+  if any(placement.values()):
+    rec.setdefault("command_buffer_placement", {})["yes"] = placement
+  rec.update(second)
+  algbw_cb = rec["bytes"] / (second["time_us_command_buffer"] * 1e-6) / 1e9
+  rec.update(algbw_gbps_command_buffer=algbw_cb,
+             busbw_gbps_command_buffer=algbw_cb * p.coll.busbw_factor(p.plan.group_size, p.count))
+  if wrong is not None and second.get("wrong_command_buffer") is not None:
+    wrong += second["wrong_command_buffer"]
+  if rec.get("timed_wrong") is not None and second.get("timed_wrong_command_buffer") is not None:
+    rec["timed_wrong"] += second["timed_wrong_command_buffer"]
+  return wrong
 
 
 def profile_point(point: program.Point, short: program.Compiled, long: program.Compiled, profile_dir: str,
