@@ -142,83 +142,128 @@ def _arrived(g_arrive: dict[tuple[int, int], int], op: tuple[int, int], s: int, 
 def make_schedule(kind: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
   """Simulates the schedule tick by tick and returns its table (raises ScheduleError on bad input)."""
   check(kind, stages, microbatches, virtual)
-  s, m, v = stages, microbatches, virtual
-  nv = s * v  # virtual stages
-  fwd_order, bwd_order, limits = _orders(kind, s, m, v)
-  f_next, b_next = [0] * s, [0] * s
-  x_arrive: dict[tuple[int, int], int] = {(0, mb): -1 for mb in range(m)}  # (vstage, mb) -> tick it is usable
-  g_arrive: dict[tuple[int, int], int] = {}
-  b_tick: dict[tuple[int, int], int] = {}
-  rows: list[list[tuple[tuple[int, int] | None, tuple[int, int] | None]]] = []
-  tick = 0
-  while any(b_next[d] < len(bwd_order[d]) for d in range(s)):
-    if tick > 4 * (m * v + nv) + 8:
-      raise AssertionError(f"{kind} schedule (S={s}, M={m}, V={v}) deadlocked")  # a bug here, not bad input
-    row: list[list[tuple[int, int] | None]] = [[None, None] for _ in range(s)]
+  run = _Run(kind, stages, microbatches, virtual, *_orders(kind, stages, microbatches, virtual))
+  run.simulate()
+  return run.schedule()
+
+
+@dataclasses.dataclass
+class _Run:
+  """The simulation's state: each device's next forward and backward, and when each activation and gradient
+  arrives (is usable) and each backward runs; `rows` holds each tick's (forward, backward) per device."""
+  kind: str
+  s: int
+  m: int
+  v: int
+  fwd_order: list[list[tuple[int, int]]]
+  bwd_order: list[list[tuple[int, int]]]
+  limits: list[int]
+  f_next: list[int] = dataclasses.field(default_factory=list)
+  b_next: list[int] = dataclasses.field(default_factory=list)
+  x_arrive: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # (vstage, mb) -> tick usable
+  g_arrive: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  b_tick: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  rows: list[list[list[tuple[int, int] | None]]] = dataclasses.field(default_factory=list)
+
+  def __post_init__(self) -> None:
+    self.f_next, self.b_next = [0] * self.s, [0] * self.s
+    self.x_arrive = {(0, mb): -1 for mb in range(self.m)}
+
+  @property
+  def nv(self) -> int:  # virtual stages
+    return self.s * self.v
+
+  def simulate(self) -> None:
+    """Ticks until every device has run all its backwards: each tick the forwards, then the backwards."""
+    s, tick = self.s, 0
+    while any(self.b_next[d] < len(self.bwd_order[d]) for d in range(s)):
+      if tick > 4 * (self.m * self.v + self.nv) + 8:  # a bug here, not bad input
+        raise AssertionError(f"{self.kind} schedule (S={s}, M={self.m}, V={self.v}) deadlocked")
+      row: list[list[tuple[int, int] | None]] = [[None, None] for _ in range(s)]
+      for d in range(s):
+        self.forward(row, d, tick)
+      for d in range(s):
+        self.backward(row, d, tick)
+      self.rows.append(row)
+      tick += 1
+
+  def forward(self, row: list[list[tuple[int, int] | None]], d: int, tick: int) -> None:
+    """Device d's next forward, if its input is here and it is within its limit of forwards in flight."""
+    kind, s, f_next, b_next, bwd_order = self.kind, self.s, self.f_next, self.b_next, self.bwd_order
+    if f_next[d] == len(self.fwd_order[d]):
+      return
+    c, mb = self.fwd_order[d][f_next[d]]
+    vs = c * s + d
+    # A backward whose gradient is already here runs this tick, so it makes room for this forward.
+    b_due = b_next[d] < len(bwd_order[d]) and kind != "gpipe" and _arrived(self.g_arrive, bwd_order[d][b_next[d]],
+                                                                          s, d, tick)
+    if self.x_arrive.get((vs, mb), tick) < tick and f_next[d] - b_next[d] - b_due < self.limits[d]:
+      row[d][0] = (c, mb)
+      f_next[d] += 1
+      if vs == self.nv - 1:
+        # The loss gradient is written during this tick, before this tick's backward: it is usable now,
+        # and its slot can't be one that this tick's backward frees.
+        self.g_arrive[(vs, mb)] = tick - 1
+      else:
+        self.x_arrive[(vs + 1, mb)] = tick  # sent at the end of this tick, usable from the next
+
+  def backward(self, row: list[list[tuple[int, int] | None]], d: int, tick: int) -> None:
+    """Device d's next backward, if its gradient is here (gpipe: only once all its forwards have run)."""
+    if self.b_next[d] == len(self.bwd_order[d]) or (self.kind == "gpipe" and self.f_next[d] < len(self.fwd_order[d])):
+      return
+    c, mb = self.bwd_order[d][self.b_next[d]]
+    vs = c * self.s + d
+    if _arrived(self.g_arrive, (c, mb), self.s, d, tick):
+      row[d][1] = (c, mb)
+      self.b_tick[(vs, mb)] = tick
+      self.b_next[d] += 1
+      if vs > 0:
+        self.g_arrive[(vs - 1, mb)] = tick
+
+  def stash_slots(self) -> tuple[dict, dict, int, int]:
+    """Stash slots per device: an activation lives from its arrival to its backward (virtual stage 0 reads
+    the microbatch itself); a gradient from its arrival (or the loss) to its backward. Returns the slots of
+    activations and gradients, and how many of each a device needs."""
+    s, b_tick = self.s, self.b_tick
+    x_slot, g_slot, x_depth, g_depth = {}, {}, 1, 1
     for d in range(s):
-      if f_next[d] == len(fwd_order[d]):
-        continue
-      c, mb = fwd_order[d][f_next[d]]
-      vs = c * s + d
-      # A backward whose gradient is already here runs this tick, so it makes room for this forward.
-      b_due = b_next[d] < len(bwd_order[d]) and kind != "gpipe" and _arrived(g_arrive, bwd_order[d][b_next[d]],
-                                                                              s, d, tick)
-      if x_arrive.get((vs, mb), tick) < tick and f_next[d] - b_next[d] - b_due < limits[d]:
-        row[d][0] = (c, mb)
-        f_next[d] += 1
-        if vs == nv - 1:
-          # The loss gradient is written during this tick, before this tick's backward: it is usable now,
-          # and its slot can't be one that this tick's backward frees.
-          g_arrive[(vs, mb)] = tick - 1
-        else:
-          x_arrive[(vs + 1, mb)] = tick  # sent at the end of this tick, usable from the next
-    for d in range(s):
-      if b_next[d] == len(bwd_order[d]) or (kind == "gpipe" and f_next[d] < len(fwd_order[d])):
-        continue
-      c, mb = bwd_order[d][b_next[d]]
-      vs = c * s + d
-      if _arrived(g_arrive, (c, mb), s, d, tick):
-        row[d][1] = (c, mb)
-        b_tick[(vs, mb)] = tick
-        b_next[d] += 1
-        if vs > 0:
-          g_arrive[(vs - 1, mb)] = tick
-    rows.append(row)
-    tick += 1
-  # Stash slots per device: an activation lives from its arrival to its backward (virtual stage 0 reads
-  # the microbatch itself); a gradient from its arrival (or the loss) to its backward.
-  table = np.full((tick, s, len(COLUMNS)), -1, np.int32)
-  x_slot, g_slot, x_depth, g_depth = {}, {}, 1, 1
-  for d in range(s):
-    xs = [((vs, mb), x_arrive[(vs, mb)], b_tick[(vs, mb)]) for (vs, mb) in x_arrive if vs % s == d and vs > 0]
-    gs = [((vs, mb), g_arrive[(vs, mb)], b_tick[(vs, mb)]) for (vs, mb) in g_arrive if vs % s == d]
-    slots, n = _slots(xs)
-    x_slot.update(slots)
-    x_depth = max(x_depth, n)
-    slots, n = _slots(gs)
-    g_slot.update(slots)
-    g_depth = max(g_depth, n)
-  for t, row in enumerate(rows):
-    for d, (f, b) in enumerate(row):
-      if f is not None:
-        c, mb = f
-        vs = c * s + d
-        table[t, d, [F_CHUNK, F_MB]] = (c, mb)
-        table[t, d, F_SLOT] = x_slot.get((vs, mb), -1)
-        table[t, d, F_GSLOT] = g_slot[(vs, mb)] if vs == nv - 1 else -1
-      if b is not None:
-        c, mb = b
-        vs = c * s + d
-        table[t, d, [B_CHUNK, B_MB]] = (c, mb)
-        table[t, d, B_SLOT] = x_slot.get((vs, mb), -1)
-        table[t, d, B_GSLOT] = g_slot[(vs, mb)]
-  for (vs, mb), t in x_arrive.items():
-    if vs > 0:
-      table[t, vs % s, RECV_X] = x_slot[(vs, mb)]
-  for (vs, mb), t in g_arrive.items():
-    if vs < nv - 1:
-      table[t, vs % s, RECV_G] = g_slot[(vs, mb)]
-  return Schedule(kind, s, m, v, table, x_depth, g_depth)
+      xs = [((vs, mb), self.x_arrive[(vs, mb)], b_tick[(vs, mb)]) for (vs, mb) in self.x_arrive
+            if vs % s == d and vs > 0]
+      gs = [((vs, mb), self.g_arrive[(vs, mb)], b_tick[(vs, mb)]) for (vs, mb) in self.g_arrive if vs % s == d]
+      slots, n = _slots(xs)
+      x_slot.update(slots)
+      x_depth = max(x_depth, n)
+      slots, n = _slots(gs)
+      g_slot.update(slots)
+      g_depth = max(g_depth, n)
+    return x_slot, g_slot, x_depth, g_depth
+
+  def schedule(self) -> Schedule:
+    """The simulated ticks as the executor's table."""
+    s, nv = self.s, self.nv
+    table = np.full((len(self.rows), s, len(COLUMNS)), -1, np.int32)
+    x_slot, g_slot, x_depth, g_depth = self.stash_slots()
+    for t, row in enumerate(self.rows):
+      for d, (f, b) in enumerate(row):
+        if f is not None:
+          c, mb = f
+          vs = c * s + d
+          table[t, d, [F_CHUNK, F_MB]] = (c, mb)
+          table[t, d, F_SLOT] = x_slot.get((vs, mb), -1)
+          table[t, d, F_GSLOT] = g_slot[(vs, mb)] if vs == nv - 1 else -1
+        if b is not None:
+          c, mb = b
+          vs = c * s + d
+          table[t, d, [B_CHUNK, B_MB]] = (c, mb)
+          table[t, d, B_SLOT] = x_slot.get((vs, mb), -1)
+          table[t, d, B_GSLOT] = g_slot[(vs, mb)]
+    for (vs, mb), t in self.x_arrive.items():
+      if vs > 0:
+        table[t, vs % s, RECV_X] = x_slot[(vs, mb)]
+    for (vs, mb), t in self.g_arrive.items():
+      if vs < nv - 1:
+        table[t, vs % s, RECV_G] = g_slot[(vs, mb)]
+    return Schedule(self.kind, s, self.m, self.v, table, x_depth, g_depth)
 
 
 def sends(sched: Schedule) -> np.ndarray:
