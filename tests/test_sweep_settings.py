@@ -104,6 +104,27 @@ def test_a_good_setting_runs_a_sweep_without_absl_flags(tmp_path):
   assert meta["flags"] == settings.recorded(s) and meta["flags"]["collectives"] == ["all_reduce"]
 
 
+@pytest.mark.parametrize("fail_long,reason", [
+    (False, "HLO check failed: planted"), (True, "HLO check failed (timed program): planted")])
+def test_an_hlo_check_failing_is_recorded_with_its_stage(fail_long, reason, tmp_path, monkeypatch):
+  """run_point's steps share one HLO-stage helper: a failure names the stage, the point is an error."""
+  from microbench.bench import hlo_check, program  # pylint: disable=g-import-not-at-top
+  real = program.build_timed
+
+  def planted(coll, mesh, plan, count, dtype, reps, **kw):
+    if fail_long == (reps != program.SHORT_REPS):  # the short arm, or the long one sized by the probe
+      raise hlo_check.HloMismatch("planted")
+    return real(coll, mesh, plan, count, dtype, reps, **kw)
+
+  monkeypatch.setattr(program, "build_timed", planted)
+  out = tmp_path / "run"
+  s = SweepSettings(collectives=("all_reduce",), scopes=("scale_up",), min_bytes="1K", max_bytes="1K",
+                    iters=6, samples=2, sample_ms=0.0, outdir=str(out))
+  assert bench_run.start(s) == 1
+  [rec] = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  assert rec["status"] == "error" and rec["reason"] == reason
+
+
 @pytest.mark.parametrize("check,fields", [
     ("_check_timing", dict(iters=4)), ("_check_sizes", dict(min_bytes="1M", max_bytes="1K")),
     ("_check_overlap", dict(overlap="auto", iters=1)), ("_check_run_only", dict(target="h100", samples=5)),
