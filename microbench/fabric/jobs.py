@@ -123,107 +123,19 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
   """Seconds per iteration of each job (its slowest rank), all jobs running at once from time 0."""
   for job in jobs:
     _check_members(job)
-  ranks = [_Rank(j, r, tuple(steps)) for j, job in enumerate(jobs) for r, steps in sorted(job.programs.items())]
-  calls: dict[tuple, _Call] = {}
-  queues: dict[tuple, list[tuple]] = {}  # communicator -> its calls ready to run, the first one running
-  left: dict[str, float] = {}
-  paths: dict[str, tuple[str, ...]] = {}
-  owner: dict[str, tuple] = {}
-  waiters: dict[tuple, list[_Rank]] = {}  # call -> ranks blocked on it (woken when it is done)
-  timers: dict[tuple, float] = {}  # call -> when its latency ends and its flows start
-  ready: list[_Rank] = list(ranks)  # ranks that may move now; the others wait for time or a call
-  finished = [0]  # ranks that have done `iterations`
-  now = 0.0
+  _check_links(jobs, capacity)
+  sim = _Simulation(jobs, capacity, iterations)
+  sim.run()
+  out: dict[str, list[float]] = {}
+  for j, job in enumerate(jobs):
+    mine = [st for st in sim.ranks if st.job == j]
+    ends = [max(st.ends[i] for st in mine) for i in range(iterations)]
+    out[job.name] = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
+  return out
 
-  def wake(st: _Rank) -> None:
-    if not st.awake:
-      st.awake = True
-      ready.append(st)
 
-  def call_id(st: _Rank, c: Collective) -> tuple:
-    return (st.job, st.iteration, c.key)
-
-  def launch(cid: tuple) -> None:
-    """A call that may run: its latency first (a timer), then its flows."""
-    calls[cid].started = True
-    if calls[cid].latency_s > 0:
-      timers[cid] = now + calls[cid].latency_s
-    else:
-      start_flows(cid)
-
-  def start_flows(cid: tuple) -> None:
-    """Puts a call's flows in flight; a call with none is done at once and the next one queued on its
-    communicator goes."""
-    call = calls[cid]
-    for i, (links, size) in enumerate(call.flows):
-      if size > 0:
-        fid = f"{cid}/{i}"
-        left[fid], paths[fid], owner[fid] = float(size), tuple(links), cid
-        per_path[paths[fid]] = per_path.get(paths[fid], 0) + 1
-        call.live.add(fid)
-    if not call.live:
-      finish(cid)
-
-  def finish(cid: tuple) -> None:
-    call = calls[cid]
-    call.done = True
-    for st in waiters.pop(cid, ()):
-      wake(st)
-    queue = queues[call.comm]
-    queue.pop(0)
-    if queue:
-      launch(queue[0])
-
-  def arrive(st: _Rank, c: Collective) -> tuple:
-    cid = call_id(st, c)
-    call = calls.setdefault(cid, _Call(frozenset(c.members), c.flows, (st.job, c.members), c.latency_s))
-    call.arrived.add(st.rank)
-    if not call.queued and call.arrived >= call.members:
-      # One communicator runs its collectives one at a time, in order (NCCL: one stream per communicator).
-      call.queued = True
-      queue = queues.setdefault(call.comm, [])
-      queue.append(cid)
-      if len(queue) == 1:
-        launch(cid)
-    return cid
-
-  def advance(st: _Rank) -> None:
-    """Runs the rank's steps until one blocks (it is woken again by time or by the call it waits for)."""
-    while True:
-      if st.blocked_on:
-        undone = [c for c in st.blocked_on if not calls[c].done]
-        if undone:
-          waiters.setdefault(undone[0], []).append(st)  # woken when it is done, then checks the rest
-          return
-        st.blocked_on = ()
-      if st.busy_until is not None:
-        if st.busy_until > now + fl.EPS:
-          return
-        st.busy_until = None
-      if st.pc == len(st.steps):
-        st.ends.append(now)
-        st.iteration, st.pc, st.handles = st.iteration + 1, 0, {}
-        if len(st.ends) == iterations:
-          finished[0] += 1
-        if finished[0] == len(ranks):
-          return
-        continue
-      step = st.steps[st.pc]
-      st.pc += 1
-      if isinstance(step, Compute):
-        if step.seconds > 0:
-          st.busy_until = now + step.seconds
-      elif isinstance(step, Start):
-        st.handles[step.handle] = arrive(st, step.collective)
-      elif isinstance(step, Blocking):
-        st.blocked_on = (arrive(st, step.collective),)
-      else:
-        st.blocked_on = tuple(st.handles[h] for h in step.handles)
-
-  rates: dict[str, float] = {}
-  flows_at_rates: frozenset = frozenset()
-  per_path: dict[tuple[str, ...], int] = {}  # flows in flight per path, kept as they start and end
-  solved: dict[frozenset, dict[tuple[str, ...], float]] = {}  # iterations repeat: so do the flow mixes
+def _check_links(jobs: Sequence[Job], capacity: Mapping[str, float]) -> None:
+  """Every flow must cross links with a capacity (a flow crossing none would have an unbounded rate)."""
   for job in jobs:
     for steps in job.programs.values():
       for s in steps:
@@ -234,50 +146,166 @@ def run(jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int = 6)
             if any(x not in capacity for x in p):
               raise ModelError(f"job {job.name}: {s.collective.key} crosses links with no capacity:"
                                f" {', '.join(x for x in p if x not in capacity)}")
-  while finished[0] < len(ranks):
-    while ready and finished[0] < len(ranks):
-      st = ready.pop()
-      st.awake = False
-      advance(st)
-    if finished[0] == len(ranks):
-      break
-    if flows_at_rates != paths.keys():  # rates change only when a flow starts or ends
-      mix = frozenset((p, c) for p, c in per_path.items() if c)
-      if mix not in solved:
-        solved[mix] = fl.path_rates(dict(mix), capacity)
-      rates = {f: solved[mix][p] for f, p in paths.items()}
-      flows_at_rates = frozenset(paths)
-    busy = [st for st in ranks if st.busy_until is not None]
-    candidates = [st.busy_until - now for st in busy]
-    candidates += [left[f] / rates[f] for f in left]
-    candidates += [t - now for t in timers.values()]
+
+
+class _Simulation:
+  """The jobs' ranks, their calls and the flows in flight, advanced from event to event (a rank's compute
+  ending, a flow ending, a call's latency ending) until every rank has done `iterations`."""
+
+  def __init__(self, jobs: Sequence[Job], capacity: Mapping[str, float], iterations: int) -> None:
+    self.capacity, self.iterations = capacity, iterations
+    self.ranks = [_Rank(j, r, tuple(steps)) for j, job in enumerate(jobs)
+                  for r, steps in sorted(job.programs.items())]
+    self.calls: dict[tuple, _Call] = {}
+    self.queues: dict[tuple, list[tuple]] = {}  # communicator -> its calls ready to run, the first one running
+    self.left: dict[str, float] = {}  # flow -> bytes left
+    self.paths: dict[str, tuple[str, ...]] = {}  # flow -> its links
+    self.owner: dict[str, tuple] = {}  # flow -> its call
+    self.waiters: dict[tuple, list[_Rank]] = {}  # call -> ranks blocked on it (woken when it is done)
+    self.timers: dict[tuple, float] = {}  # call -> when its latency ends and its flows start
+    self.ready: list[_Rank] = list(self.ranks)  # ranks that may move now; the others wait for time or a call
+    self.finished = 0  # ranks that have done `iterations`
+    self.now = 0.0
+    self.rates: dict[str, float] = {}
+    self.flows_at_rates: frozenset = frozenset()
+    self.per_path: dict[tuple[str, ...], int] = {}  # flows in flight per path, kept as they start and end
+    self.solved: dict[frozenset, dict[tuple[str, ...], float]] = {}  # iterations repeat: so do the flow mixes
+
+  def run(self) -> None:
+    """Moves every rank that may move, then time to the next event, until all are finished."""
+    while self.finished < len(self.ranks):
+      while self.ready and self.finished < len(self.ranks):
+        st = self.ready.pop()
+        st.awake = False
+        self.advance(st)
+      if self.finished == len(self.ranks):
+        break
+      self.update_rates()
+      busy = [st for st in self.ranks if st.busy_until is not None]
+      step = self.next_event(busy)
+      self.now += step
+      self.progress_flows(step)
+      for cid, t in sorted(self.timers.items(), key=lambda kv: kv[1]):
+        if t <= self.now + fl.EPS:
+          del self.timers[cid]
+          self.start_flows(cid)
+      for st in busy:
+        if st.busy_until <= self.now + fl.EPS:
+          self.wake(st)
+
+  def update_rates(self) -> None:
+    """Each flow's rate, max-min fair over the paths in flight (rates change only when a flow starts or ends)."""
+    if self.flows_at_rates != self.paths.keys():
+      mix = frozenset((p, c) for p, c in self.per_path.items() if c)
+      if mix not in self.solved:
+        self.solved[mix] = fl.path_rates(dict(mix), self.capacity)
+      self.rates = {f: self.solved[mix][p] for f, p in self.paths.items()}
+      self.flows_at_rates = frozenset(self.paths)
+
+  def next_event(self, busy: list[_Rank]) -> float:
+    """Seconds to the next event: a busy rank's compute, a flow or a call's latency ending."""
+    candidates = [st.busy_until - self.now for st in busy]
+    candidates += [self.left[f] / self.rates[f] for f in self.left]
+    candidates += [t - self.now for t in self.timers.values()]
     if not candidates:
-      waiting = sorted({str(c) for st in ranks for c in st.blocked_on if not calls[c].started})
+      waiting = sorted({str(c) for st in self.ranks for c in st.blocked_on if not self.calls[c].started})
       raise ModelError(f"no rank can progress: collectives some member never starts: {', '.join(waiting[:3])}")
-    step = max(min(candidates), 0.0)
-    now += step
-    for f in list(left):
-      left[f] -= rates[f] * step
-      if left[f] <= rates[f] * fl.TIME_EPS:  # within a nanosecond of done: done (no sliver events)
-        call = calls[owner[f]]
+    return max(min(candidates), 0.0)
+
+  def progress_flows(self, step: float) -> None:
+    """Moves every flow's bytes on by `step` seconds at its rate; a call whose last flow ends is done."""
+    for f in list(self.left):
+      self.left[f] -= self.rates[f] * step
+      if self.left[f] <= self.rates[f] * fl.TIME_EPS:  # within a nanosecond of done: done (no sliver events)
+        call = self.calls[self.owner[f]]
         call.live.discard(f)
         if not call.live:
-          finish(owner[f])
-        per_path[paths[f]] -= 1
-        del left[f], paths[f], owner[f]
-    for cid, t in sorted(timers.items(), key=lambda kv: kv[1]):
-      if t <= now + fl.EPS:
-        del timers[cid]
-        start_flows(cid)
-    for st in busy:
-      if st.busy_until <= now + fl.EPS:
-        wake(st)
-  out: dict[str, list[float]] = {}
-  for j, job in enumerate(jobs):
-    mine = [st for st in ranks if st.job == j]
-    ends = [max(st.ends[i] for st in mine) for i in range(iterations)]
-    out[job.name] = [b - a for a, b in zip([0.0] + ends[:-1], ends)]
-  return out
+          self.finish(self.owner[f])
+        self.per_path[self.paths[f]] -= 1
+        del self.left[f], self.paths[f], self.owner[f]
+
+  def wake(self, st: _Rank) -> None:
+    if not st.awake:
+      st.awake = True
+      self.ready.append(st)
+
+  def launch(self, cid: tuple) -> None:
+    """A call that may run: its latency first (a timer), then its flows."""
+    self.calls[cid].started = True
+    if self.calls[cid].latency_s > 0:
+      self.timers[cid] = self.now + self.calls[cid].latency_s
+    else:
+      self.start_flows(cid)
+
+  def start_flows(self, cid: tuple) -> None:
+    """Puts a call's flows in flight; a call with none is done at once and the next one queued on its
+    communicator goes."""
+    call = self.calls[cid]
+    for i, (links, size) in enumerate(call.flows):
+      if size > 0:
+        fid = f"{cid}/{i}"
+        self.left[fid], self.paths[fid], self.owner[fid] = float(size), tuple(links), cid
+        self.per_path[self.paths[fid]] = self.per_path.get(self.paths[fid], 0) + 1
+        call.live.add(fid)
+    if not call.live:
+      self.finish(cid)
+
+  def finish(self, cid: tuple) -> None:
+    call = self.calls[cid]
+    call.done = True
+    for st in self.waiters.pop(cid, ()):
+      self.wake(st)
+    queue = self.queues[call.comm]
+    queue.pop(0)
+    if queue:
+      self.launch(queue[0])
+
+  def arrive(self, st: _Rank, c: Collective) -> tuple:
+    """A rank calls a collective; once every member has, it queues on its communicator. Returns the call."""
+    cid = (st.job, st.iteration, c.key)
+    call = self.calls.setdefault(cid, _Call(frozenset(c.members), c.flows, (st.job, c.members), c.latency_s))
+    call.arrived.add(st.rank)
+    if not call.queued and call.arrived >= call.members:
+      # One communicator runs its collectives one at a time, in order (NCCL: one stream per communicator).
+      call.queued = True
+      queue = self.queues.setdefault(call.comm, [])
+      queue.append(cid)
+      if len(queue) == 1:
+        self.launch(cid)
+    return cid
+
+  def advance(self, st: _Rank) -> None:
+    """Runs the rank's steps until one blocks (it is woken again by time or by the call it waits for)."""
+    while True:
+      if st.blocked_on:
+        undone = [c for c in st.blocked_on if not self.calls[c].done]
+        if undone:
+          self.waiters.setdefault(undone[0], []).append(st)  # woken when it is done, then checks the rest
+          return
+        st.blocked_on = ()
+      if st.busy_until is not None:
+        if st.busy_until > self.now + fl.EPS:
+          return
+        st.busy_until = None
+      if st.pc == len(st.steps):
+        st.ends.append(self.now)
+        st.iteration, st.pc, st.handles = st.iteration + 1, 0, {}
+        if len(st.ends) == self.iterations:
+          self.finished += 1
+        if self.finished == len(self.ranks):
+          return
+        continue
+      step = st.steps[st.pc]
+      st.pc += 1
+      if isinstance(step, Compute):
+        if step.seconds > 0:
+          st.busy_until = self.now + step.seconds
+      elif isinstance(step, Start):
+        st.handles[step.handle] = self.arrive(st, step.collective)
+      elif isinstance(step, Blocking):
+        st.blocked_on = (self.arrive(st, step.collective),)
+      else:
+        st.blocked_on = tuple(st.handles[h] for h in step.handles)
 
 
 def steady(times: Sequence[float]) -> float:

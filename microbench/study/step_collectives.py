@@ -111,121 +111,146 @@ def events(text: str, devices: int, pipeline: PipelineTicks | None = None) -> tu
 
   Outside a pipeline's tick loop one branch of a conditional stands for all (the first with collectives);
   inside it, `pipeline` says which stages run which branch at each tick."""
-  from microbench.models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
-
   lines, entry = computations(text)
-  comps: dict[str, list[_Line]] = {}
-  for name, comp_lines in lines.items():
-    comps[name] = []
-    for line in comp_lines:
-      ins = hlo.parse_instruction(line)
-      if ins is not None:
-        comps[name].append(_Line(ins, next(iter(hlo.instructions(line)), None), tuple(hlo.callees(ins))))
-  notes: dict = {"loops": [], "unknown_trip_counts": 0}
-  # each loop's trip count: XLA's annotation, or (XLA:TPU drops it) read from the loop's counter
-  trips = {loop.body: loop.trip_count for loop in hlo.while_loops(text)}
-  s_count = 0 if pipeline is None else int(pipeline.table.shape[1])
+  walker = _Walker(text, lines, devices, pipeline)
+  return walker.walk(entry, 0), walker.notes
 
-  def collective(ins: hlo.Instruction, name: str) -> Event:
+
+class _Walker:
+  """Walks an HLO module's computations from the entry, one method per kind of instruction that holds
+  collectives (a while loop, an async wrapper, a call, a conditional), collecting events and notes."""
+
+  def __init__(self, text: str, lines: dict[str, list[str]], devices: int, pipeline: PipelineTicks | None) -> None:
+    self.devices, self.pipeline = devices, pipeline
+    self.comps: dict[str, list[_Line]] = {}
+    for name, comp_lines in lines.items():
+      self.comps[name] = []
+      for line in comp_lines:
+        ins = hlo.parse_instruction(line)
+        if ins is not None:
+          self.comps[name].append(_Line(ins, next(iter(hlo.instructions(line)), None), tuple(hlo.callees(ins))))
+    self.notes: dict = {"loops": [], "unknown_trip_counts": 0}
+    # each loop's trip count: XLA's annotation, or (XLA:TPU drops it) read from the loop's counter
+    self.trips = {loop.body: loop.trip_count for loop in hlo.while_loops(text)}
+    self.s_count = 0 if pipeline is None else int(pipeline.table.shape[1])
+
+  def collective(self, ins: hlo.Instruction, name: str) -> Event:
     pairs: tuple[tuple[int, int], ...] = ()
     if ins.op == "collective-permute":
       pairs = tuple((a, b) for a, b in hlo.source_target_pairs(ins.rest))
       groups = _components(pairs)
     else:
-      groups = hlo.replica_groups(ins.rest) or (tuple(range(devices)),)
+      groups = hlo.replica_groups(ins.rest) or (tuple(range(self.devices)),)
     return Event("start" if ins.async_start else "blocking", OPS[ins.op], _nbytes(ins, len(groups[0])), groups,
                  name, pairs)
 
-  def only(evts: list[Event], stages: set[int]) -> list[Event]:
+  def only(self, evts: list[Event], stages: set[int]) -> list[Event]:
     """The events as run by the devices of `stages` only (a stage-local collective's groups lie in one stage)."""
     out = []
     for e in evts:
-      groups = tuple(g for g in e.groups if pipeline.stage_of[g[0]] in stages)
+      groups = tuple(g for g in e.groups if self.pipeline.stage_of[g[0]] in stages)
       if groups or e.kind == "done":
         out.append(dataclasses.replace(e, groups=groups) if e.kind != "done" else e)
     return out
 
+  @staticmethod
   def called(ln: _Line, *kinds: str) -> list[str]:
     """The callees of the given kinds, in the order of `kinds`."""
     return [c for kind in kinds for k, c in ln.callees if k == kind]
 
-  def walk(comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
+  def walk(self, comp: str, depth: int, tick: int | None = None, role: str | None = None, note: bool = True
            ) -> list[Event]:
+    """The events of computation `comp`; inside the pipeline's tick loop, as run at `tick`, inside the
+    tick's forward or backward (`role`); `note`: record the loops met (once, not per tick)."""
     if depth > 50:
       raise ValueError("HLO call graph too deep")
     out: list[Event] = []
-    top_conditionals = 0
-    for ln in comps.get(comp, []):
+    top_conditionals = 0  # the tick body's compute branches so far: the forward first, then the backward
+    for ln in self.comps.get(comp, []):
       name, opcode = ln.ins.name, ln.ins.opcode
       if ln.collective is not None and ln.collective.op in OPS:
-        out.append(collective(ln.collective, name))
-        continue
-      if opcode in _DONES:
+        out.append(self.collective(ln.collective, name))
+      elif opcode in _DONES:
         out.append(Event("done", "", 0, (), re.match(r"\s*%?([\w.\-]+)", ln.ins.rest).group(1)))
-        continue
-      if opcode == "while":
-        body = next(iter(called(ln, "body")), None)
-        count = trips.get(body, hlo.trip_count(ln.ins))
-        if (pipeline is not None and tick is None and body and count == pipeline.ticks
-                and sum(1 for b in comps.get(body, []) if b.ins.opcode == "conditional") >= 2):
-          per_tick = [walk(body, depth + 1, t, note=t == 0) for t in range(count)]
-          inner = [e for evts in per_tick for e in evts]
-          if inner:
-            notes["loops"].append({"body": body, "trip_count": count, "pipeline_ticks": True,
-                                   "collectives": sum(1 for e in inner if e.kind != "done")})
-          out += inner
-          continue
-        inner = walk(body, depth + 1, tick, role, note) if body else []
-        if inner and note:  # a loop inside the pipeline's ticks: noted for the first tick only
-          notes["loops"].append({"body": body, "trip_count": count,
-                                 "collectives": sum(1 for e in inner if e.kind != "done")})
-          notes["unknown_trip_counts"] += 0 if count is not None else 1
-        out += inner * (count or 1)
-        continue
-      if opcode == "async-start":  # a wrapped async collective: its callee's ops start here
-        for callee in called(ln, "calls")[:1]:
-          for e in walk(callee, depth + 1, tick, role, note):
+      elif opcode == "while":
+        out += self.loop(ln, depth, tick, role, note)
+      elif opcode == "async-start":  # a wrapped async collective: its callee's ops start here
+        for callee in self.called(ln, "calls")[:1]:
+          for e in self.walk(callee, depth + 1, tick, role, note):
             out.append(dataclasses.replace(e, kind="start", name=name) if e.kind == "blocking" else e)
-        continue
-      if opcode == "call":
-        for callee in called(ln, "to_apply"):
-          out += walk(callee, depth + 1, tick, role, note)
-        continue
-      if opcode == "conditional":
-        # `lax.cond(pred, op, skip)`: the op is the true branch, printed last as `branch_computations={skip,
-        # op}` (XLA:CPU) or first as `true_computation=op, false_computation=skip` (XLA:GPU); names[-1] is it.
-        names = called(ln, "false_computation", "branch_computations", "true_computation")
-        if tick is not None and role is None:  # `lax.cond(run, op, skip)` of the tick body: the op last
-          op = walk(names[-1], depth + 1, note=False)
-          if op and all(e.op == "permute" for e in op if e.kind != "done"):
-            # A transfer: forward if it sends to the next stage; on the ticks where some stage sends.
-            a, b = next(e for e in op if e.kind != "done").pairs[0]
-            s = pipeline.table.shape[1]
-            forward = pipeline.stage_of[b] == (pipeline.stage_of[a] + 1) % s
-            if pipeline.sends[tick, 0 if forward else 1]:
-              out += op
-            continue
-          # The tick's forward (the first compute branch) or backward (the second).
-          role = ("forward", "backward")[min(top_conditionals, 1)]
-          top_conditionals += 1
-          col = ps.F_CHUNK if role == "forward" else ps.B_CHUNK
-          stages = {d for d in range(s_count) if pipeline.table[tick, d, col] >= 0}
-          out += only(walk(names[-1], depth + 1, tick, role, note), stages)
-          role = None
-          continue
-        if tick is not None and role == "forward":  # the head, inside the forward: the last chunk's last stage
-          last = pipeline.table.shape[1] - 1
-          runs = pipeline.table[tick, last, ps.F_CHUNK] == pipeline.virtual - 1
-          out += only(walk(names[-1], depth + 1, tick, role, note), {last} if runs else set())
-          continue
-        for callee in names:  # one branch runs; the first with collectives stands for all
-          inner = walk(callee, depth + 1, tick, role, note)
-          if inner:
-            out += inner
-            break
+      elif opcode == "call":
+        for callee in self.called(ln, "to_apply"):
+          out += self.walk(callee, depth + 1, tick, role, note)
+      elif opcode == "conditional":
+        if tick is not None and role is None:  # the tick body's own conditionals
+          evts, compute = self.tick_conditional(ln, depth, tick, top_conditionals, note)
+          top_conditionals += compute
+          out += evts
+        else:
+          out += self.conditional(ln, depth, tick, role, note)
     return out
 
-  return walk(entry, 0), notes
+  def loop(self, ln: _Line, depth: int, tick: int | None, role: str | None, note: bool) -> list[Event]:
+    """A while loop's events repeated by its trip count; the pipeline's tick loop unrolled tick by tick."""
+    body = next(iter(self.called(ln, "body")), None)
+    count = self.trips.get(body, hlo.trip_count(ln.ins))
+    pipeline = self.pipeline
+    if (pipeline is not None and tick is None and body and count == pipeline.ticks
+            and sum(1 for b in self.comps.get(body, []) if b.ins.opcode == "conditional") >= 2):
+      per_tick = [self.walk(body, depth + 1, t, note=t == 0) for t in range(count)]
+      inner = [e for evts in per_tick for e in evts]
+      if inner:
+        self.notes["loops"].append({"body": body, "trip_count": count, "pipeline_ticks": True,
+                                    "collectives": sum(1 for e in inner if e.kind != "done")})
+      return inner
+    inner = self.walk(body, depth + 1, tick, role, note) if body else []
+    if inner and note:  # a loop inside the pipeline's ticks: noted for the first tick only
+      self.notes["loops"].append({"body": body, "trip_count": count,
+                                  "collectives": sum(1 for e in inner if e.kind != "done")})
+      self.notes["unknown_trip_counts"] += 0 if count is not None else 1
+    return inner * (count or 1)
+
+  @staticmethod
+  def branches(ln: _Line) -> list[str]:
+    """A conditional's branches. `lax.cond(pred, op, skip)`: the op is the true branch, printed last as
+    `branch_computations={skip, op}` (XLA:CPU) or first as `true_computation=op, false_computation=skip`
+    (XLA:GPU); names[-1] is it."""
+    return _Walker.called(ln, "false_computation", "branch_computations", "true_computation")
+
+  def tick_conditional(self, ln: _Line, depth: int, tick: int, top_conditionals: int, note: bool
+                       ) -> tuple[list[Event], int]:
+    """A conditional of the tick body, `lax.cond(run, op, skip)` (the op last): a transfer, kept on the ticks
+    it runs, or the tick's forward (the first compute branch) or backward (the second), kept for the stages
+    that run it. Returns the events and 1 for a compute branch (0 for a transfer)."""
+    from microbench.models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
+    pipeline, names = self.pipeline, self.branches(ln)
+    op = self.walk(names[-1], depth + 1, note=False)
+    if op and all(e.op == "permute" for e in op if e.kind != "done"):
+      # A transfer: forward if it sends to the next stage; on the ticks where some stage sends.
+      a, b = next(e for e in op if e.kind != "done").pairs[0]
+      s = pipeline.table.shape[1]
+      forward = pipeline.stage_of[b] == (pipeline.stage_of[a] + 1) % s
+      return (op if pipeline.sends[tick, 0 if forward else 1] else []), 0
+    role = ("forward", "backward")[min(top_conditionals, 1)]
+    col = ps.F_CHUNK if role == "forward" else ps.B_CHUNK
+    stages = {d for d in range(self.s_count) if pipeline.table[tick, d, col] >= 0}
+    return self.only(self.walk(names[-1], depth + 1, tick, role, note), stages), 1
+
+  def conditional(self, ln: _Line, depth: int, tick: int | None, role: str | None, note: bool) -> list[Event]:
+    """A conditional outside the tick body's top level: the head inside the tick's forward, or (anywhere
+    else) the first branch with collectives standing for all (one branch runs)."""
+    names = self.branches(ln)
+    if tick is not None and role == "forward":  # the head, inside the forward: the last chunk's last stage
+      from microbench.models import pipeline_schedule as ps  # pylint: disable=g-import-not-at-top
+      pipeline = self.pipeline
+      last = pipeline.table.shape[1] - 1
+      runs = pipeline.table[tick, last, ps.F_CHUNK] == pipeline.virtual - 1
+      return self.only(self.walk(names[-1], depth + 1, tick, role, note), {last} if runs else set())
+    for callee in names:
+      inner = self.walk(callee, depth + 1, tick, role, note)
+      if inner:
+        return inner
+    return []
 
 
 def _axes_of(group: Sequence[int], mesh_shape: tuple[int, ...], names: Sequence[str]) -> str:
