@@ -45,6 +45,13 @@ def _comm_text(comm: dict[str, Any] | None) -> str:
 def format_table(summary: dict[str, Any]) -> str:
   """The stdout summary: one `name  value` row per figure."""
   s = summary
+  rows = _run_rows(s) + _program_rows(s) + _strategy_rows(s) + _comm_rows(s)
+  width = max(len(k) for k, _ in rows)
+  return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _run_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+  """What ran and how fast: model, layout, shapes; for a run, its step time, throughput and MFU."""
   item = s["item"]
   rows = [
       ("model", f"{s['model']}-{s['size']} ({s['layers']} layers, {s['params'] / 1e6:.2f}M params)"),
@@ -63,13 +70,20 @@ def format_table(summary: dict[str, Any]) -> str:
   rows.append(("model FLOPs / step", f"{s['flops_per_step']:.4g} [{s['flops_formula']}]"))
   if s["kind"] == "summary":
     mfu = "n/a (no peak for this device)" if s["mfu"] is None else \
-        f"{100 * s['mfu']:.2f} % (causal attention counted half; {100 * s['mfu_full_attention']:.2f} % counting it in full)"
+        (f"{100 * s['mfu']:.2f} % (causal attention counted half; {100 * s['mfu_full_attention']:.2f} %"
+         " counting it in full)")
     peak = "none" if s["peak_tflops_per_device"] is None else f"{s['peak_tflops_per_device']:.4f}"
     rows += [
         ("TFLOP/s per device", f"{s['tflops_per_device']:.4f}"),
         ("peak TFLOP/s / device", f"{peak}  [{s['peak_source']}]"),
         ("MFU", mfu),
     ]
+  return rows
+
+
+def _program_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+  """What the compiled program needs: memory per device and whether it fits, attention as compiled, compile time."""
+  rows = []
   m = s["memory"]
   if s.get("compile_refused"):
     rows.append(("memory per device", f"at least {_mib(s['memory_per_device_bytes'])}, as XLA:TPU's refusal says"
@@ -83,7 +97,8 @@ def format_table(summary: dict[str, Any]) -> str:
                                      f" TFLOP/s per device [{s['peak_source']}]"))
   if s.get("usable_bytes"):  # a compile target: against what JAX gets of the device
     rows.append(("fits", f"{'yes' if s['fits'] else 'NO'}: {_mib(s['memory_per_device_bytes'])} of"
-                         f" {_mib(s['usable_bytes'])} usable ({s['mem_fraction']:.0%} of {_mib(s['device_memory_bytes'])}),"
+                         f" {_mib(s['usable_bytes'])} usable ({s['mem_fraction']:.0%} of"
+                         f" {_mib(s['device_memory_bytes'])}),"
                          f" margin {_mib(s['margin_bytes'])}"
                          + ("" if s["fits"] or not s["fits_whole_device"] else "; fits the whole device")))
   elif s.get("device_memory_bytes"):
@@ -94,6 +109,12 @@ def format_table(summary: dict[str, Any]) -> str:
   rows.append(("compile time", f"{s['compile_time_s']:.2f} s"))
   if s.get("compile_note"):
     rows.append(("  note", s["compile_note"]))
+  return rows
+
+
+def _strategy_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+  """How the pipeline, the experts and context parallelism ran, with their measured overheads."""
+  rows = []
   if s.get("pipeline_schedule"):
     text = (f"{s['pipeline_schedule']}, {s['pipeline_stages']} stages x {s['microbatches']} microbatches"
             + (f" x {s['virtual_stages']} virtual stages" if s["virtual_stages"] > 1 else "")
@@ -119,6 +140,12 @@ def format_table(summary: dict[str, Any]) -> str:
       rows.append(("  dispatch", s["moe_dispatch_note"]))
   if s.get("context_impl"):
     rows.append(("context", f"{s['context_impl']} attention over {s['context_degree']} devices"))
+  return rows
+
+
+def _comm_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+  """The final loss of a run, and what the step communicates: per step, per loop iteration, over DCN, as compiled."""
+  rows = []
   if s["kind"] == "summary":
     rows.append(("final loss / grad norm", f"{s['final_loss']:.4f} / {s['final_grad_norm']:.4f}"))
   rows.append(("comm / step / device", _comm_text(s["comm"])))
@@ -137,8 +164,7 @@ def format_table(summary: dict[str, Any]) -> str:
         rows.append(("  as compiled", f"{count} of the {op} x{s['comm'][op]['count']} as {form}"))
   if s.get("comm_note"):
     rows.append(("  note", s["comm_note"]))
-  width = max(len(k) for k, _ in rows)
-  return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+  return rows
 
 
 def target_memory(name: str) -> tuple[int, float | None]:
@@ -305,6 +331,28 @@ def _share_text(s: dict[str, Any], figure: str) -> str:
   return overheads.Share(s[figure], *(ci or (None, None)), s["overhead_rounds"]).text()
 
 
+@dataclasses.dataclass
+class _Compiled:
+  """The compiled step (None where XLA:TPU refused it) and the figures of the compile (`common`: the fields
+  the compile record and the summary share)."""
+  step: Any
+  common: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Steps:
+  """What the step loop measured, per step, and what it left: the state after the last step and the next
+  batch (the overhead timings run on both)."""
+  losses: list[float]
+  norms: list[float]
+  times: list[float]
+  dropped: list[float]
+  assigned: list[float]
+  expert_counts: np.ndarray | None  # the last timed step's assignments per expert (the dispatch's sizes)
+  state: tuple
+  batch: Any
+
+
 def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   """Trains `cfg.steps` steps (+ `cfg.profile_steps` traced ones) and reports; returns the figures.
 
@@ -314,7 +362,6 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
   """
   p = p or plan(cfg)
   cfg, spec, mesh = p.cfg, p.spec, p.mesh
-  n = mesh.size
   writer_on = cfg.write and jax.process_index() == 0
   say = print if (cfg.verbose and jax.process_index() == 0) else (lambda *a, **k: None)
 
@@ -325,14 +372,47 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
 
   layers = getattr(spec.config, "num_layers", len(getattr(spec.config, "stage_blocks", ())))
   mesh_text = " ".join(f"{a}={mesh.shape[a]}" for a in p.axis_order if mesh.shape[a] > 1) or "1 device"
+  config_record = _config_record(p, trainer, layers, mesh_text, writer_on)
+  run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
+  out = TrainLog(run_dir)
+  out.line(config_record)
+  out.hparams(config_record)
+  out.text("config", markdown_table({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
+  _say_config(say, p, trainer, mesh_text, config_record["environment"] if writer_on else None, run_dir)
+
+  compiled = _compile(p, trainer, layers, mesh_text)
+  if cfg.compile_only or cfg.target:
+    summary = {"kind": "compile", **compiled.common}
+    out.line(summary)
+    out.text("compile", markdown_table({k: v for k, v in summary.items() if k != "kind"}))
+    out.close()
+    say("compiled (not run):\n" + format_table(summary))
+    return Result([], [], summary, run_dir, trainer, None)
+
+  peak = flops_peaks.device_peak(mesh.devices.flat[0], cfg.dtype, len(jax.local_devices()))
+  steps = _train_steps(p, trainer, compiled, peak, out, say, run_dir)
+  summary = _summary(p, trainer, compiled.common, steps, peak, layers, run_dir, say)
+  out.line(summary)
+  out.summary(summary)
+  # The text table gives a measured share with its interval, or says it is not resolved.
+  shares = {k: _share_text(summary, k) for k in RESOLVED_FLAGS if summary.get(k) is not None}
+  out.text("summary", markdown_table({k: shares.get(k, v) for k, v in summary.items() if k != "kind"}), cfg.steps)
+  out.close()
+  say("summary:\n" + format_table(summary))
+  return Result(steps.losses[:cfg.steps], steps.times, summary, run_dir, trainer, steps.state)
+
+
+def _config_record(p: Plan, trainer: Trainer, layers: int, mesh_text: str, writer_on: bool) -> dict[str, Any]:
+  """The run's first record: the configuration as resolved (mesh, placement, rules, devices, environment)."""
+  cfg, spec, mesh = p.cfg, p.spec, p.mesh
   device = mesh.devices.flat[0]
   hidden = ("write", "verbose", "compiler_options")
-  config_record = {
+  return {
       "kind": "config", **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in hidden},
       "size": spec.size, "layers": layers, "seq_len": spec.seq_len, "params": trainer.num_params,
       "mesh": mesh_text, "mesh_axes": list(p.axis_order), "mesh_shape": [mesh.shape[a] for a in p.axis_order],
       "placement_map": p.placement, "topology": str(p.topology), "topology_note": p.topology_note,
-      "rules": {k: v for k, v in par.RULES if v}, "devices": n, "device_kind": device.device_kind,
+      "rules": {k: v for k, v in par.RULES if v}, "devices": mesh.size, "device_kind": device.device_kind,
       "attention_impl": p.attention, "attention_note": p.attention_note,
       "schedule": p.schedule, "microbatches": p.microbatches if p.stages > 1 else None,
       "virtual_stages": cfg.virtual_stages if p.stages > 1 else None,
@@ -341,23 +421,28 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "processes": jax.process_count(), "jax_version": jax.__version__,
       "environment": environment.capture() if writer_on else None,
   }
-  run_dir = (cfg.outdir or default_run_dir(cfg)) if writer_on else None
-  out = TrainLog(run_dir)
-  out.line(config_record)
-  out.hparams(config_record)
-  out.text("config", markdown_table({k: v for k, v in config_record.items() if k not in ("kind", "environment")}))
-  say(f"microbench-train: {spec.family}-{spec.size}, {trainer.num_params / 1e6:.2f}M params, {n} devices,"
-      f" {p.topology_note}")
-  for line in environment.header(config_record["environment"]) if writer_on else []:
+
+
+def _say_config(say, p: Plan, trainer: Trainer, mesh_text: str, env: dict[str, Any] | None,
+                run_dir: str | None) -> None:
+  """The run's header on stdout: model, devices, environment (process 0 writing), mesh and placement."""
+  say(f"microbench-train: {p.spec.family}-{p.spec.size}, {trainer.num_params / 1e6:.2f}M params, {p.mesh.size}"
+      f" devices, {p.topology_note}")
+  for line in environment.header(env) if env is not None else []:
     say(" " + line[1:])
-  if cfg.preset_note:
-    say(f"  preset {cfg.preset_note}")
+  if p.cfg.preset_note:
+    say(f"  preset {p.cfg.preset_note}")
   say(f"  mesh {mesh_text} (axes outer->inner {','.join(p.axis_order)})")
   for axis, where in p.placement.items():
     say(f"  {axis:7s} {where}")
   if run_dir:
     say(f"  run folder {run_dir}")
 
+
+def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compiled:
+  """Compiles the step (for a --target: for that machine) and reads what the program needs: memory, whether
+  it fits, FLOPs, the communication fingerprint. XLA:TPU refusing a program that does not fit is a figure."""
+  cfg, spec, device, n = p.cfg, p.spec, p.mesh.devices.flat[0], p.mesh.size
   t0 = time.perf_counter()
   compile_note, refused = None, None
   try:
@@ -382,6 +467,32 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
                  " partitioned program gathers and reduces in bfloat16 (what a GPU runs)")
   if refused:
     comm_note = "none compiled: XLA:TPU refused the program (it does not fit)"
+  per_device, memory_limit, fit = _fit(cfg, device, memory, refused)
+  item = spec.item_name
+  flops = spec.step_flops(cfg.batch)
+  common = {
+      "model": spec.family, "size": spec.size, "layers": layers, "params": trainer.num_params,
+      "parallelism": str(p.parallelism), "mesh": mesh_text, "placement": p.placement, "topology": str(p.topology),
+      "devices": n, "device_kind": device.device_kind, "batch": cfg.batch, "seq_len": spec.seq_len,
+      "dtype": cfg.dtype, "grad_accum": cfg.grad_accum, "remat": cfg.remat, "scan_layers": cfg.scan_layers,
+      "attention": p.attention, "attention_note": p.attention_note,
+      "attention_compiled": attention_compiled(hlo_text), "item": item,
+      f"{item}_per_step": spec.items_per_step(cfg.batch), "flops_per_step": flops,
+      "flops_per_step_full_attention": spec.step_flops(cfg.batch, causal_half=False),
+      "flops_formula": spec.flops_formula,
+      "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
+      "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit, **fit,
+      "target": cfg.target, **_target_peak(cfg, device, flops, n),
+      "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops,
+      "comm_note": comm_note, "comm_dcn": report["dcn"], "comm_forms": report["forms"],
+      **_strategy_fields(p, spec, device),
+  }
+  return _Compiled(compiled, common)
+
+
+def _fit(cfg: TrainConfig, device: jax.Device, memory: dict[str, int], refused: dict[str, Any] | None
+         ) -> tuple[int, int | None, dict[str, Any]]:
+  """Memory per device, the limit it is held against, and whether it fits (with the margin for a target)."""
   per_device = memory["argument_bytes"] + memory["output_bytes"] + memory["temp_bytes"] - memory["alias_bytes"]
   memory_limit, fraction = target_memory(cfg.target) if cfg.target else (machine.device_memory(device), None)
   # A GPU target's fit is against what JAX gets of the device (XLA_PYTHON_CLIENT_MEM_FRACTION, default 75%), a
@@ -394,42 +505,19 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
     fit = gpu_compile.fit(per_device, memory_limit, fraction)
   else:
     fit = {"fits": None if memory_limit is None else per_device <= memory_limit}
-  item = spec.item_name
-  items = spec.items_per_step(cfg.batch)
-  flops = spec.step_flops(cfg.batch)
-  flops_full = spec.step_flops(cfg.batch, causal_half=False)
-  common = {
-      "model": spec.family, "size": spec.size, "layers": layers, "params": trainer.num_params,
-      "parallelism": str(p.parallelism), "mesh": mesh_text, "placement": p.placement, "topology": str(p.topology),
-      "devices": n, "device_kind": device.device_kind, "batch": cfg.batch, "seq_len": spec.seq_len,
-      "dtype": cfg.dtype, "grad_accum": cfg.grad_accum, "remat": cfg.remat, "scan_layers": cfg.scan_layers,
-      "attention": p.attention, "attention_note": p.attention_note,
-      "attention_compiled": attention_compiled(hlo_text), "item": item, f"{item}_per_step": items,
-      "flops_per_step": flops, "flops_per_step_full_attention": flops_full, "flops_formula": spec.flops_formula,
-      "hlo_flops_per_device": _hlo_flops(compiled, comm_loops), "memory": memory,
-      "memory_per_device_bytes": per_device, "device_memory_bytes": memory_limit, **fit,
-      "target": cfg.target, **_target_peak(cfg, device, flops, n),
-      "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops, "comm_note": comm_note,
-      "comm_dcn": report["dcn"], "comm_forms": report["forms"],
-      **_strategy_fields(p, spec, device),
-  }
+  return per_device, memory_limit, fit
 
-  if cfg.compile_only or cfg.target:
-    summary = {"kind": "compile", **common}
-    out.line(summary)
-    out.text("compile", markdown_table({k: v for k, v in summary.items() if k != "kind"}))
-    out.close()
-    say("compiled (not run):\n" + format_table(summary))
-    return Result([], [], summary, run_dir, trainer, None)
 
+def _train_steps(p: Plan, trainer: Trainer, compiled: _Compiled, peak, out: TrainLog, say,
+                 run_dir: str | None) -> _Steps:
+  """Runs the timed steps, then the profiled ones (traced into the run folder), logging each."""
+  cfg = p.cfg
   params, rest, opt_state = trainer.init_state()
   make_batch = trainer.batch_fn()
   batch = make_batch(0)
   jax.block_until_ready(batch)
 
-  peak = flops_peaks.device_peak(device, cfg.dtype, len(jax.local_devices()))
-  losses, norms, times, dropped, assigned = [], [], [], [], []
-  expert_counts = None  # the last timed step's assignments per expert (the dispatch's sizes)
+  steps = _Steps([], [], [], [], [], None, (), None)
   total = cfg.steps + cfg.profile_steps
   for step in range(total):
     profiled = step >= cfg.steps
@@ -437,47 +525,66 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       jax.profiler.start_trace(run_dir)
     t = time.perf_counter()
     with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      params, rest, opt_state, metrics = compiled(params, rest, opt_state, batch)
+      params, rest, opt_state, metrics = compiled.step(params, rest, opt_state, batch)
       loss_v = _scalar(metrics["loss"])  # waits for the step
     dt = time.perf_counter() - t
     norm_v = _scalar(metrics["grad_norm"])
     # The next batch, generated on the devices and waited for here, outside the timed region (dispatched
     # without the wait, the next step's time would include making it).
     batch = jax.block_until_ready(make_batch(step + 1))
-    losses.append(loss_v)
-    norms.append(norm_v)
-    times.append(dt)
-    tflops = flops / dt / n / 1e12
-    record = {"kind": "step", "step": step, "loss": loss_v, "grad_norm": norm_v, "step_time_s": dt,
-              "warmup": step < cfg.warmup_steps, "profiled": profiled}
-    if "moe_dropped" in metrics:  # router counts, summed over layers and microbatches
-      dropped.append(_scalar(metrics["moe_dropped"]))
-      assigned.append(_scalar(metrics["moe_assignments"]))
-      record["moe_dropped_fraction"] = dropped[-1] / assigned[-1]
-      if step == cfg.steps - 1:
-        expert_counts = np.asarray(metrics["moe_expert_assignments"].addressable_data(0))
-    out.line(record)
-    # Warm-up steps (compilation, caches) are often far slower than the rest: their time goes under its own
-    # tag and they add no throughput points, so they do not set the scale of the timed steps' charts.
-    if step < cfg.warmup_steps:
-      out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/warmup_step_time_s": dt}, step)
-    else:
-      out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
-                   f"train/{item}_per_s": items / dt, "train/tflops_per_device": tflops,
-                   "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
-    say(f"  step {step:4d}  loss {loss_v:.4f}  grad norm {norm_v:.4f}  {dt * 1e3:9.2f} ms"
-        f"{'  (warm-up)' if step < cfg.warmup_steps else ''}{'  (profiled)' if profiled else ''}")
+    steps.losses.append(loss_v)
+    steps.norms.append(norm_v)
+    steps.times.append(dt)
+    _log_step(cfg, step, metrics, steps, compiled.common, peak, out, say)
   if cfg.profile_steps and run_dir:
     jax.profiler.stop_trace()
+  steps.state, steps.batch = (params, rest, opt_state), batch
+  return steps
 
-  timed = times[cfg.warmup_steps:cfg.steps]
+
+def _log_step(cfg: TrainConfig, step: int, metrics: dict[str, jax.Array], steps: _Steps, common: dict[str, Any],
+              peak, out: TrainLog, say) -> None:
+  """One step's record, TensorBoard scalars and stdout line (and the router's counts, with experts)."""
+  loss_v, norm_v, dt = steps.losses[-1], steps.norms[-1], steps.times[-1]
+  item = common["item"]
+  tflops = common["flops_per_step"] / dt / common["devices"] / 1e12
+  profiled = step >= cfg.steps
+  record = {"kind": "step", "step": step, "loss": loss_v, "grad_norm": norm_v, "step_time_s": dt,
+            "warmup": step < cfg.warmup_steps, "profiled": profiled}
+  if "moe_dropped" in metrics:  # router counts, summed over layers and microbatches
+    steps.dropped.append(_scalar(metrics["moe_dropped"]))
+    steps.assigned.append(_scalar(metrics["moe_assignments"]))
+    record["moe_dropped_fraction"] = steps.dropped[-1] / steps.assigned[-1]
+    if step == cfg.steps - 1:
+      steps.expert_counts = np.asarray(metrics["moe_expert_assignments"].addressable_data(0))
+  out.line(record)
+  # Warm-up steps (compilation, caches) are often far slower than the rest: their time goes under its own
+  # tag and they add no throughput points, so they do not set the scale of the timed steps' charts.
+  if step < cfg.warmup_steps:
+    out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/warmup_step_time_s": dt}, step)
+  else:
+    out.scalars({"train/loss": loss_v, "train/grad_norm": norm_v, "train/step_time_s": dt,
+                 f"train/{item}_per_s": common[f"{item}_per_step"] / dt, "train/tflops_per_device": tflops,
+                 "train/mfu": None if peak.tflops is None else tflops / peak.tflops}, step)
+  say(f"  step {step:4d}  loss {loss_v:.4f}  grad norm {norm_v:.4f}  {dt * 1e3:9.2f} ms"
+      f"{'  (warm-up)' if step < cfg.warmup_steps else ''}{'  (profiled)' if profiled else ''}")
+
+
+def _summary(p: Plan, trainer: Trainer, common: dict[str, Any], steps: _Steps, peak, layers: int,
+             run_dir: str | None, say) -> dict[str, Any]:
+  """The run's last record: the timed steps' figures, and the overheads measured after them."""
+  cfg, n = p.cfg, p.mesh.size
+  item, items = common["item"], common[f"{common['item']}_per_step"]
+  timed = steps.times[cfg.warmup_steps:cfg.steps]
   med = statistics.median(timed)
-  measured = _measure_overheads(cfg, p, trainer, (params, rest), batch, say) if cfg.measure_overheads else {}
-  if cfg.measure_overheads and expert_counts is not None:
-    measured.update(_measure_dispatch(cfg, p, expert_counts, layers, say))
-  tflops = flops / med / n / 1e12
-  tflops_full = flops_full / med / n / 1e12
-  summary = {
+  state = steps.state[:2]
+  measured = _measure_overheads(cfg, p, trainer, state, steps.batch, say) if cfg.measure_overheads else {}
+  if cfg.measure_overheads and steps.expert_counts is not None:
+    measured.update(_measure_dispatch(cfg, p, steps.expert_counts, layers, say))
+  tflops = common["flops_per_step"] / med / n / 1e12
+  tflops_full = common["flops_per_step_full_attention"] / med / n / 1e12
+  dropped, assigned = steps.dropped[cfg.warmup_steps:cfg.steps], steps.assigned[cfg.warmup_steps:cfg.steps]
+  return {
       "kind": "summary", **common, "steps": cfg.steps, "warmup_steps": cfg.warmup_steps, "timed_steps": len(timed),
       "median_step_time_s": med, "min_step_time_s": min(timed), "max_step_time_s": max(timed),
       f"{item}_per_s": items / med, f"{item}_per_s_per_device": items / med / n,
@@ -485,17 +592,8 @@ def run(cfg: TrainConfig, p: Plan | None = None) -> Result:
       "peak_tflops_per_device": peak.tflops, "peak_source": peak.source, "peak_calibration": peak.calibration,
       "mfu": None if peak.tflops is None else tflops / peak.tflops,
       "mfu_full_attention": None if peak.tflops is None else tflops_full / peak.tflops,
-      "final_loss": losses[cfg.steps - 1], "final_grad_norm": norms[cfg.steps - 1],
-      "moe_dropped_fraction": (sum(dropped[cfg.warmup_steps:cfg.steps]) / sum(assigned[cfg.warmup_steps:cfg.steps])
-                               if dropped else None),
+      "final_loss": steps.losses[cfg.steps - 1], "final_grad_norm": steps.norms[cfg.steps - 1],
+      "moe_dropped_fraction": sum(dropped) / sum(assigned) if steps.dropped else None,
       **measured,
       "profile_dir": os.path.join(run_dir, "plugins", "profile") if (run_dir and cfg.profile_steps) else None,
   }
-  out.line(summary)
-  out.summary(summary)
-  # The text table gives a measured share with its interval, or says it is not resolved.
-  shares = {k: _share_text(summary, k) for k in RESOLVED_FLAGS if summary.get(k) is not None}
-  out.text("summary", markdown_table({k: shares.get(k, v) for k, v in summary.items() if k != "kind"}), cfg.steps)
-  out.close()
-  say("summary:\n" + format_table(summary))
-  return Result(losses[:cfg.steps], times, summary, run_dir, trainer, (params, rest, opt_state))
