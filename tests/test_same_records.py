@@ -1,0 +1,141 @@
+"""The records of fixed runs, normalized and compared byte for byte with tests/golden/same_records_*: a change
+meant to change nothing (a long function split into named steps) must leave every record as it was.
+
+Normalized: what varies from run to run or machine to machine is masked (wall times and what is computed from
+them: step and compile times, throughputs, TFLOP/s, MFU, the measured overheads; the machine's calibrated peak;
+the environment; the run folder), floats keep 12 significant digits (last-bit noise aside, any change shows),
+keys are sorted. A study prediction's times are the fabric model's, not wall times: they are kept.
+
+Regenerate after an intended change (and read the diff): `python -m pytest tests/test_same_records.py -m ""
+--update-golden` (or MICROBENCH_UPDATE_GOLDEN=1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from support import ROOT, clean_env
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+MASK = "<masked>"
+# Keys whose values come from wall clocks or from this machine; in a study prediction none are masked but
+# `link`: of equally loaded links, predict.dominant_link returns the first in a set's order (the hash seed's).
+_TRAIN_MASKED = re.compile(r"(time|_s$|_per_s|tflops|mfu|_measured|_ci$|_resolved|_share|^peak_|^environment$"
+                           r"|^outdir$|^profile_dir$)")
+_PREDICT_MASKED = re.compile(r"^link$")
+_NONE_MASKED = re.compile(r"(?!)")  # a derived schedule: every figure is the model's
+TRAIN_ARGS = ["--model=gpt2", "--size=tiny", "--seq_len=64", "--steps=3", "--warmup_steps=1"]
+TRAIN_RUNS = {  # golden file -> the run's own flags
+    "same_records_train.jsonl": ["--parallelism=dp:2,fsdp:2,tp:2"],
+    "same_records_train_pp.jsonl": ["--parallelism=pp:2,dp:4", "--microbatches=4", "--batch=16"],
+}
+
+
+def normalize(value: Any, masked: re.Pattern, key: str = "") -> Any:
+  """`value` with the masked keys' values replaced and floats rounded to 12 significant digits."""
+  if key and masked.search(key):
+    return MASK
+  if isinstance(value, dict):
+    return {k: normalize(v, masked, k) for k, v in value.items()}
+  if isinstance(value, list):
+    return [normalize(v, masked) for v in value]
+  if isinstance(value, float):
+    return float(f"{value:.12g}")
+  return value
+
+
+def normalized_records(records: list[dict], masked: re.Pattern) -> str:
+  """One sorted-keys JSON line per record, normalized: the text compared with the golden file."""
+  return "".join(json.dumps(normalize(r, masked), sort_keys=True) + "\n" for r in records)
+
+
+def first_difference(got: str, want: str) -> str | None:
+  """None when the texts are the same bytes; else the first differing line of each, to read."""
+  if got == want:
+    return None
+  g, w = got.splitlines(), want.splitlines()
+  i = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+  return (f"line {i + 1}: got {g[i] if i < len(g) else '<end>'!r}\n"
+          f"        want {w[i] if i < len(w) else '<end>'!r}")
+
+
+def check_golden(name: str, text: str, update: bool) -> None:
+  path = os.path.join(GOLDEN, name)
+  if update or not os.path.exists(path):
+    with open(path, "w") as f:
+      f.write(text)
+    if not update:
+      pytest.skip(f"{name} written (no golden file yet); rerun to compare")
+    return
+  with open(path) as f:
+    diff = first_difference(text, f.read())
+  assert diff is None, f"{name} differs from this run's records ({diff}); if intended: --update-golden"
+
+
+def predict_records(tmp_path) -> list[dict]:
+  """A study prediction on the testbed's generated plan (the plan command's defaults, size divisor 8, its
+  first 8 experiments), at the rehearsal scales of docs/study.md: the fabric model (microbench.fabric.jobs)
+  on the hand-written proxies."""
+  from microbench.study import generator, machines, predict  # pylint: disable=g-import-not-at-top
+  machine = machines.parse("testbed")
+  settings = generator.Settings(machine, size_divisor=8, max_experiments=8)
+  experiments, dropped = generator.generate(settings)
+  plan = str(tmp_path / "plan")
+  generator.write(plan, settings, experiments, dropped)
+  pred = predict.predict(plan, bytes_scale=1e-4, compute_scale=0.02)
+  return [{"experiment": eid, **job} for eid, e in pred["experiments"].items() for job in e["jobs"]] + \
+      [{"key": k, **v} for k, v in pred["keys"].items()]
+
+
+def test_a_study_prediction_records_what_it_recorded(tmp_path, update_golden):
+  check_golden("same_records_predict.jsonl", normalized_records(predict_records(tmp_path), _PREDICT_MASKED),
+               update_golden)
+
+
+def test_one_figure_changed_fails_the_comparison_and_a_time_changed_does_not():
+  with open(os.path.join(GOLDEN, "same_records_train.jsonl")) as f:
+    want = f.read()
+  records = [json.loads(line) for line in want.splitlines()]
+  assert normalized_records(records, _TRAIN_MASKED) == want  # normalizing is idempotent
+  summary = records[-1]
+  assert summary["kind"] == "summary" and summary["median_step_time_s"] == MASK
+  altered = json.loads(json.dumps(records))
+  altered[-1]["final_loss"] = altered[-1]["final_loss"] * (1 + 1e-9)  # one figure, in its 10th digit
+  diff = first_difference(normalized_records(altered, _TRAIN_MASKED), want)
+  assert diff is not None and f"line {len(records)}:" in diff
+  retimed = json.loads(json.dumps(records))
+  retimed[-1]["median_step_time_s"] = 12.5  # a wall time: masked, so not a difference
+  retimed[1]["step_time_s"] = 0.001
+  assert first_difference(normalized_records(retimed, _TRAIN_MASKED), want) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("golden", list(TRAIN_RUNS))
+def test_a_tiny_training_run_records_what_it_recorded(tmp_path, update_golden, golden):
+  out = tmp_path / "run"
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.train", *TRAIN_ARGS, *TRAIN_RUNS[golden],
+                      f"--outdir={out}"], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+                     env=clean_env(JAX_NUM_CPU_DEVICES="8", PYTHONHASHSEED="0"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  with open(out / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  check_golden(golden, normalized_records(records, _TRAIN_MASKED), update_golden)
+
+
+@pytest.mark.slow
+def test_a_derived_pipeline_proxy_records_what_it_recorded(update_golden):
+  """microbench.study.step_collectives on a pipelined step: its tick loop read tick by tick (`schedule`'s JSON,
+  figures of the model, none masked)."""
+  r = subprocess.run([sys.executable, "-m", "microbench.cli.study", "schedule", "--proxy_from=gpt2-tiny,dp+pp",
+                      "--gpus=8"], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+                     env=clean_env(PYTHONHASHSEED="0"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  check_golden("same_records_schedule_pp.jsonl", normalized_records([json.loads(r.stdout)], _NONE_MASKED),
+               update_golden)
