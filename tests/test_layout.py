@@ -215,7 +215,7 @@ def test_ci_runs_readmes_quickstart_literally():
   extra is installed: a README command that fails on a fresh machine fails CI."""
   ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
   commands = _quickstart_commands()
-  assert commands and "python -m pytest -q tests" in commands
+  assert commands and "python -m pytest -q -n auto tests" in commands
   positions = [ci.index(c) for c in commands]  # each a line of its own, verbatim
   assert positions == sorted(positions)
   first_other_install = min(i for i, line in enumerate(ci) if "pip install" in line and line not in commands)
