@@ -166,6 +166,7 @@ def _fmt(x: float, digits: int = 3) -> str:
 def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[tuple[str, str], list[JobSlowdown]],
              scaling: dict[tuple[str, str, str], list[tuple[int, float]]], plots: list[str], note: str,
              predicted: dict | None = None, per_exp: dict[tuple, dict[str, stats.Sigma]] | None = None) -> str:
+  """The report as Markdown: a section per kind of figure, each only where the results have it."""
   lines = ["# Multi-tenancy interference study", "",
            "sigma = geomean(baseline throughput) / median(concurrent throughput); > 1 means slower when "
            "sharing. CI: the 95% interval of sigma from the medians' Le Boudec intervals "
@@ -174,6 +175,24 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
            "over ranks.", ""]
   if note:
     lines += [note, ""]
+  lines += _sigma_section(keys)
+  if per_exp:
+    lines += _per_experiment_section(keys, per_exp)
+  if predicted:
+    lines += _predicted_section(keys, predicted)
+  lines += _experiments_section(units)
+  if cells:
+    lines += _cells_section(cells)
+  if scaling:
+    lines += _scaling_section(scaling)
+  if plots:
+    lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
+  return "\n".join(lines) + "\n"
+
+
+def _sigma_section(keys: dict[tuple, KeyResult]) -> list[str]:
+  """Sigma per key, with its interval, the share of slower samples and the communication shares."""
+  lines: list[str] = []
   lines += ["## Sigma per strategy, model, GPUs and placement class", "",
             "| strategy | model | GPUs | placement | n base | n conc | base geomean (samples/s) | "
             "conc median | sigma | 95% CI | excludes 1 | >5% | comm base | comm conc |",
@@ -190,41 +209,58 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
     else:
       lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {k.n_baseline} | {k.n_concurrent} | "
                    "| | n/a | | | | | |")
-  if per_exp:
-    lines += ["", "## Sigma per experiment (the artifact's unit)", "",
-              "Each mix's concurrent samples against the key's baseline; `all` pools the key's mixes (the table"
-              " above). Two 95% intervals: the study's (from the medians' intervals; it can miss its own point"
-              " estimate, which uses the baseline geomean) and a percentile bootstrap of the ratio itself.", "",
-              "| strategy | model | GPUs | placement | experiment | n conc | sigma | study CI | bootstrap CI |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for k in keys.values():
-      rows = ([("all", k.sigma)] if k.sigma else []) + sorted((per_exp.get(k.key) or {}).items())
-      for e, x in rows:
-        study = f"[{x.low:.3f}, {x.high:.3f}]" if x.has_interval else "none (<= 5 samples)"
-        lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {e} | {x.n_concurrent} |"
-                     f" {x.sigma:.3f} | {study} | [{_fmt(x.boot_low)}, {_fmt(x.boot_high)}] |")
-  if predicted:
-    lines += ["", "## Predicted against measured sigma", "",
-              "Predicted before the run by `microbench-study predict` (fabric model: flows share links max-min"
-              " fairly; assumptions below). error = (predicted - measured) / measured.", "",
-              "| strategy | model | GPUs | placement | measured sigma | predicted sigma | error |",
-              "|---|---|---|---|---|---|---|"]
-    errors = []
-    for k in keys.values():
-      p = predicted["keys"].get(run_plan.key_name(k.key))
-      if p is None:
-        continue
-      measured = k.sigma.sigma if k.sigma else None
-      err = None if measured is None else (p["sigma"] - measured) / measured
-      if err is not None:
-        errors.append(abs(err))
-      lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {_fmt(measured)} | {p['sigma']:.3f} |"
-                   f" {'n/a' if err is None else f'{100 * err:+.1f}%'}"
-                   f"{' (latency-bound)' if p.get('note') else ''} |")
-    if errors:
-      lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%,"
-                    f" worst {100 * max(errors):.1f}%."]
-    lines += [""] + [f"- assumed: {a}" for a in predicted.get("assumptions", [])]
+  return lines
+
+
+def _per_experiment_section(keys: dict[tuple, KeyResult], per_exp: dict[tuple, dict[str, stats.Sigma]]
+                            ) -> list[str]:
+  """Sigma per experiment beside the key's pooled figure, with the study's and a bootstrap interval."""
+  lines: list[str] = []
+  lines += ["", "## Sigma per experiment (the artifact's unit)", "",
+            "Each mix's concurrent samples against the key's baseline; `all` pools the key's mixes (the table"
+            " above). Two 95% intervals: the study's (from the medians' intervals; it can miss its own point"
+            " estimate, which uses the baseline geomean) and a percentile bootstrap of the ratio itself.", "",
+            "| strategy | model | GPUs | placement | experiment | n conc | sigma | study CI | bootstrap CI |",
+            "|---|---|---|---|---|---|---|---|---|"]
+  for k in keys.values():
+    rows = ([("all", k.sigma)] if k.sigma else []) + sorted((per_exp.get(k.key) or {}).items())
+    for e, x in rows:
+      study = f"[{x.low:.3f}, {x.high:.3f}]" if x.has_interval else "none (<= 5 samples)"
+      lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {e} | {x.n_concurrent} |"
+                   f" {x.sigma:.3f} | {study} | [{_fmt(x.boot_low)}, {_fmt(x.boot_high)}] |")
+  return lines
+
+
+def _predicted_section(keys: dict[tuple, KeyResult], predicted: dict) -> list[str]:
+  """Each key's predicted sigma against the measured one, the errors' median and worst, the assumptions."""
+  lines: list[str] = []
+  lines += ["", "## Predicted against measured sigma", "",
+            "Predicted before the run by `microbench-study predict` (fabric model: flows share links max-min"
+            " fairly; assumptions below). error = (predicted - measured) / measured.", "",
+            "| strategy | model | GPUs | placement | measured sigma | predicted sigma | error |",
+            "|---|---|---|---|---|---|---|"]
+  errors = []
+  for k in keys.values():
+    p = predicted["keys"].get(run_plan.key_name(k.key))
+    if p is None:
+      continue
+    measured = k.sigma.sigma if k.sigma else None
+    err = None if measured is None else (p["sigma"] - measured) / measured
+    if err is not None:
+      errors.append(abs(err))
+    lines.append(f"| {k.key[0]} | {k.key[1]} | {k.key[2]} | {k.key[3]} | {_fmt(measured)} | {p['sigma']:.3f} |"
+                 f" {'n/a' if err is None else f'{100 * err:+.1f}%'}"
+                 f"{' (latency-bound)' if p.get('note') else ''} |")
+  if errors:
+    lines += ["", f"|error| over {len(errors)} key(s): median {100 * statistics.median(errors):.1f}%,"
+                  f" worst {100 * max(errors):.1f}%."]
+  lines += [""] + [f"- assumed: {a}" for a in predicted.get("assumptions", [])]
+  return lines
+
+
+def _experiments_section(units: dict[str, dict]) -> list[str]:
+  """The concurrent units: pattern, jobs, entropy and placement bins, how each ended (none: no section)."""
+  lines: list[str] = []
   exps = [u for u in units.values() if u["kind"] == "concurrent"]
   if exps:
     lines += ["", "## Experiments", "", "| id | pattern | jobs | entropy | placement score | how it ended |",
@@ -236,30 +272,38 @@ def markdown(keys: dict[tuple, KeyResult], units: dict[str, dict], cells: dict[t
       pat = (m.get("pattern") or {}).get("id", "?")
       lines.append(f"| {u['unit']} | {pat} | {jobs} | {m.get('entropy_bin')} ({_fmt(m.get('entropy_norm'), 2)}) | "
                    f"{m.get('placement_bin')} ({_fmt(m.get('placement_score'), 2)}) | {u['ended']} |")
-  if cells:
-    lines += ["", "## Median slowdown (%) over jobs by placement bin (rows) and entropy bin (columns)", "",
-              "Per job (one job of one experiment, its respawns together): the median of its samples' slowdowns;"
-              " a cell gives the median over its jobs, then the mean over jobs, the number of jobs and of samples."
-              " Jobs weigh the same whatever their sample count.", "",
-              "| placement \\ entropy | " + " | ".join(BINS) + " |", "|---|---|---|---|"]
-    for p in BINS:
-      row = [(f"{cell_median(cells[(p, h)]):.1f} (mean {statistics.fmean(j.median_pct for j in cells[(p, h)]):.1f};"
-              f" {len(cells[(p, h)])} jobs, {sum(j.n_samples for j in cells[(p, h)])} samples)")
-             if cells.get((p, h)) else "-" for h in BINS]
-      lines.append(f"| {p} | " + " | ".join(row) + " |")
-  if scaling:
-    lines += ["", "## Baseline throughput scaling (like for like)", "",
-              "Baselines of one strategy, model and placement class only; parallel efficiency = (T / T0) (g0 / g)"
-              " against that series' fewest GPUs (`ref.`); a series with one GPU count has none.", "",
-              "| strategy | model | placement | GPUs | samples/s | parallel efficiency |", "|---|---|---|---|---|---|"]
-    for (st, model, cls), pts in scaling.items():
-      g0, t0 = pts[0]
-      for g, t in pts:
-        eff = "-" if len(pts) == 1 else "ref." if g == g0 else f"{(t / t0) * (g0 / g):.2f}"
-        lines.append(f"| {st} | {model} | {cls} | {g} | {t:.4g} | {eff} |")
-  if plots:
-    lines += ["", "## Plots", ""] + [f"![{os.path.basename(p)}]({os.path.basename(p)})" for p in plots]
-  return "\n".join(lines) + "\n"
+  return lines
+
+
+def _cells_section(cells: dict[tuple[str, str], list[JobSlowdown]]) -> list[str]:
+  """Median slowdown over jobs by placement bin and entropy bin."""
+  lines: list[str] = []
+  lines += ["", "## Median slowdown (%) over jobs by placement bin (rows) and entropy bin (columns)", "",
+            "Per job (one job of one experiment, its respawns together): the median of its samples' slowdowns;"
+            " a cell gives the median over its jobs, then the mean over jobs, the number of jobs and of samples."
+            " Jobs weigh the same whatever their sample count.", "",
+            "| placement \\ entropy | " + " | ".join(BINS) + " |", "|---|---|---|---|"]
+  for p in BINS:
+    row = [(f"{cell_median(cells[(p, h)]):.1f} (mean {statistics.fmean(j.median_pct for j in cells[(p, h)]):.1f};"
+            f" {len(cells[(p, h)])} jobs, {sum(j.n_samples for j in cells[(p, h)])} samples)")
+           if cells.get((p, h)) else "-" for h in BINS]
+    lines.append(f"| {p} | " + " | ".join(row) + " |")
+  return lines
+
+
+def _scaling_section(scaling: dict[tuple[str, str, str], list[tuple[int, float]]]) -> list[str]:
+  """Baseline throughput against GPU count per strategy, model and placement class, with parallel efficiency."""
+  lines: list[str] = []
+  lines += ["", "## Baseline throughput scaling (like for like)", "",
+            "Baselines of one strategy, model and placement class only; parallel efficiency = (T / T0) (g0 / g)"
+            " against that series' fewest GPUs (`ref.`); a series with one GPU count has none.", "",
+            "| strategy | model | placement | GPUs | samples/s | parallel efficiency |", "|---|---|---|---|---|---|"]
+  for (st, model, cls), pts in scaling.items():
+    g0, t0 = pts[0]
+    for g, t in pts:
+      eff = "-" if len(pts) == 1 else "ref." if g == g0 else f"{(t / t0) * (g0 / g):.2f}"
+      lines.append(f"| {st} | {model} | {cls} | {g} | {t:.4g} | {eff} |")
+  return lines
 
 
 def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]],
