@@ -168,17 +168,9 @@ def decide(flag_ids: Sequence[int] | None, distributed: bool, environ: Mapping[s
 
   cvd = environ.get("CUDA_VISIBLE_DEVICES")
   seen = None if cvd is None else visible_count(cvd)
-  explicit = ("flag", "--local_device_ids", tuple(flag_ids)) if flag_ids is not None else None
-  if explicit is None and distributed and environ.get("JAX_LOCAL_DEVICE_IDS", "").strip():  # JAX reads it there only
-    explicit = ("jax_env", "JAX_LOCAL_DEVICE_IDS", parse_ids(environ["JAX_LOCAL_DEVICE_IDS"], "JAX_LOCAL_DEVICE_IDS"))
+  explicit = _explicit(flag_ids, distributed, environ, seen, cvd)
   if explicit:
     rule, what, ids = explicit
-    if not ids:
-      raise BindingError(f"{what} is empty; give GPU indices, e.g. 0,1")
-    if seen is not None and max(ids) >= seen:
-      shown = f"{seen} GPU(s), numbered 0..{seen - 1}" if seen else "no GPU"
-      raise BindingError(f"{what}={','.join(map(str, ids))} but CUDA_VISIBLE_DEVICES={cvd!r} shows this process"
-                         f" {shown}: the ids index the GPUs the process sees")
     return bound(ids, rule, f"{what}={','.join(map(str, ids))}")
   if not distributed:
     return bound(None, "single_process", RULES["single_process"])
@@ -192,29 +184,8 @@ def decide(flag_ids: Sequence[int] | None, distributed: bool, environ: Mapping[s
                        f" or pass --local_device_ids")
   if seen == 0:
     return bound(None, "no_gpus", f"{where}; CUDA_VISIBLE_DEVICES={cvd!r} shows no GPU")
-  ordinals = None
-  if seen is None and environ.get("GPU_DEVICE_ORDINAL", "").strip():
-    ordinals = gpu_list(environ["GPU_DEVICE_ORDINAL"])
-    if not all(o.isdigit() for o in ordinals):
-      raise BindingError(f"GPU_DEVICE_ORDINAL={environ['GPU_DEVICE_ORDINAL']!r} is not a list of GPU indices;"
-                         f" pass --local_device_ids")
-  step = gpu_list(environ.get("SLURM_STEP_GPUS", ""))
-  # The GPUs this task may use, as the indices jax_cuda_visible_devices takes (CUDA's numbering in this process):
-  # CUDA_VISIBLE_DEVICES renumbers from 0; without it CUDA shows the whole node, whose ids SLURM's lists use.
-  if seen is not None:
-    pool, named = list(range(seen)), f"CUDA_VISIBLE_DEVICES={cvd!r} ({seen} GPU(s))"
-  elif ordinals is not None:
-    pool, named = [int(o) for o in ordinals], f"GPU_DEVICE_ORDINAL={environ['GPU_DEVICE_ORDINAL']!r}"
-  elif step and all(g.isdigit() for g in step):
-    pool, named = [int(g) for g in step], f"SLURM_STEP_GPUS={environ['SLURM_STEP_GPUS']!r}"
-  else:
-    pool, named = None, ""
-  # The step's GPUs on this node (SLURM_STEP_GPUS is narrowed to the task's own under a binding; these are not).
-  on_node = _int(environ, "SLURM_GPUS_ON_NODE")
-  if on_node is None and environ.get("SLURM_JOB_GPUS", "").strip():
-    on_node = len(gpu_list(environ["SLURM_JOB_GPUS"]))
-  tres = environ.get("SLURMD_TRES_BIND", "")
-  slurm_bound = any(p.startswith("gpu:") and p != "gpu:none" for p in re.split(r"[;,](?=\w+:)", tres))
+  pool, named = _pool(environ, seen, cvd)
+  on_node, tres, slurm_bound = _slurm_gpus(environ)
   if pool is None:
     own = False
   elif slurm_bound:
@@ -245,3 +216,54 @@ def decide(flag_ids: Sequence[int] | None, distributed: bool, environ: Mapping[s
   k = len(pool) // share
   ids = pool[local * k:(local + 1) * k]
   return bound(ids, "shared_split", f"{where}; {named} shared: {k} each, this task's {','.join(map(str, ids))}")
+
+
+def _explicit(flag_ids: Sequence[int] | None, distributed: bool, environ: Mapping[str, str], seen: int | None,
+              cvd: str | None) -> tuple[str, str, tuple[int, ...]] | None:
+  """The ids given outright (rule, where, ids): `--local_device_ids`, or JAX_LOCAL_DEVICE_IDS in a distributed
+  job (JAX reads it there only); refused when empty or past the GPUs CUDA_VISIBLE_DEVICES shows."""
+  explicit = ("flag", "--local_device_ids", tuple(flag_ids)) if flag_ids is not None else None
+  if explicit is None and distributed and environ.get("JAX_LOCAL_DEVICE_IDS", "").strip():  # JAX reads it there only
+    explicit = ("jax_env", "JAX_LOCAL_DEVICE_IDS", parse_ids(environ["JAX_LOCAL_DEVICE_IDS"], "JAX_LOCAL_DEVICE_IDS"))
+  if explicit:
+    rule, what, ids = explicit
+    if not ids:
+      raise BindingError(f"{what} is empty; give GPU indices, e.g. 0,1")
+    if seen is not None and max(ids) >= seen:
+      shown = f"{seen} GPU(s), numbered 0..{seen - 1}" if seen else "no GPU"
+      raise BindingError(f"{what}={','.join(map(str, ids))} but CUDA_VISIBLE_DEVICES={cvd!r} shows this process"
+                         f" {shown}: the ids index the GPUs the process sees")
+  return explicit
+
+
+def _pool(environ: Mapping[str, str], seen: int | None, cvd: str | None) -> tuple[list[int] | None, str]:
+  """The GPUs this task may use, as the indices jax_cuda_visible_devices takes, and what named them."""
+  ordinals = None
+  if seen is None and environ.get("GPU_DEVICE_ORDINAL", "").strip():
+    ordinals = gpu_list(environ["GPU_DEVICE_ORDINAL"])
+    if not all(o.isdigit() for o in ordinals):
+      raise BindingError(f"GPU_DEVICE_ORDINAL={environ['GPU_DEVICE_ORDINAL']!r} is not a list of GPU indices;"
+                         f" pass --local_device_ids")
+  step = gpu_list(environ.get("SLURM_STEP_GPUS", ""))
+  # The GPUs this task may use, as the indices jax_cuda_visible_devices takes (CUDA's numbering in this process):
+  # CUDA_VISIBLE_DEVICES renumbers from 0; without it CUDA shows the whole node, whose ids SLURM's lists use.
+  if seen is not None:
+    pool, named = list(range(seen)), f"CUDA_VISIBLE_DEVICES={cvd!r} ({seen} GPU(s))"
+  elif ordinals is not None:
+    pool, named = [int(o) for o in ordinals], f"GPU_DEVICE_ORDINAL={environ['GPU_DEVICE_ORDINAL']!r}"
+  elif step and all(g.isdigit() for g in step):
+    pool, named = [int(g) for g in step], f"SLURM_STEP_GPUS={environ['SLURM_STEP_GPUS']!r}"
+  else:
+    pool, named = None, ""
+  return pool, named
+
+
+def _slurm_gpus(environ: Mapping[str, str]) -> tuple[int | None, str, bool]:
+  """The step's GPUs on this node (SLURM_STEP_GPUS is narrowed to the task's own under a binding; these are
+  not), SLURMD_TRES_BIND, and whether SLURM bound GPUs to the task."""
+  on_node = _int(environ, "SLURM_GPUS_ON_NODE")
+  if on_node is None and environ.get("SLURM_JOB_GPUS", "").strip():
+    on_node = len(gpu_list(environ["SLURM_JOB_GPUS"]))
+  tres = environ.get("SLURMD_TRES_BIND", "")
+  slurm_bound = any(p.startswith("gpu:") and p != "gpu:none" for p in re.split(r"[;,](?=\w+:)", tres))
+  return on_node, tres, slurm_bound
