@@ -191,7 +191,7 @@ def dominant_link(model: fj.Job, others: Sequence[fj.Job], capacity: dict[str, f
               load[x] = load.get(x, 0.0) + size
   mine = {x for steps in model.programs.values() for s in steps if isinstance(s, (fj.Start, fj.Blocking))
           for path, _ in s.collective.flows for x in path if x != "local"}
-  return max(mine, key=lambda x: load[x] / capacity[x], default=None)
+  return max(sorted(mine), key=lambda x: load[x] / capacity[x], default=None)  # ties: the first by name
 
 
 def predict(plan_dir: str, bytes_scale: float = 1.0, compute_scale: float = 1.0, dtype: str = "bfloat16",
