@@ -306,6 +306,15 @@ def _scaling_section(scaling: dict[tuple[str, str, str], list[tuple[int, float]]
   return lines
 
 
+def _save(plt, fig, out: str, name: str) -> str:
+  """Lays out, writes and closes one figure; returns its path."""
+  fig.tight_layout()
+  path = os.path.join(out, name)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]],
          cells: dict[tuple[str, str], list[JobSlowdown]], scaling: dict[tuple[str, str, str], list[tuple[int, float]]]
          ) -> list[str]:
@@ -341,10 +350,7 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
     ax.set_ylabel("slowdown (sigma - 1) x 100 %")
     ax.set_title("Concurrent samples against their baseline, by placement class")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out, "violins.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out, "violins.png"))
   if cells:
     grid = [[cell_median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
@@ -361,10 +367,7 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
     ax.set_ylabel("placement (locality score) bin")
     ax.set_title("Median over jobs of each job's median slowdown (%)")
     fig.colorbar(im, ax=ax, label="median over jobs, (sigma - 1) x 100 %")
-    fig.tight_layout()
-    paths.append(os.path.join(out, "heatmap.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out, "heatmap.png"))
   if scaling:
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for (st, model, cls), pts in scaling.items():
@@ -377,10 +380,7 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
     ax.set_ylabel("baseline throughput (samples/s)")
     ax.set_title("Baseline scaling per placement class (dotted: ideal)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(os.path.join(out, "scaling.png"))
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(_save(plt, fig, out, "scaling.png"))
   return paths
 
 
