@@ -21,15 +21,15 @@ from typing import Any
 
 import pytest
 
-from support import ROOT, clean_env
+import run_records
+from support import ROOT, clean_env, doubling
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 MASK = "<masked>"
-# Keys whose values come from wall clocks or from this machine; in a study prediction none are masked but
-# `link`: of equally loaded links, predict.dominant_link returns the first in a set's order (the hash seed's).
+# Keys whose values come from wall clocks or from this machine; a study prediction's figures are the model's.
 _TRAIN_MASKED = re.compile(r"(time|_s$|_per_s|tflops|mfu|_measured|_ci$|_resolved|_share|^peak_|^environment$"
                            r"|^outdir$|^profile_dir$)")
-_PREDICT_MASKED = re.compile(r"^link$")
+_PREDICT_MASKED = re.compile(r"(?!)")
 _NONE_MASKED = re.compile(r"(?!)")  # a derived schedule: every figure is the model's
 TRAIN_ARGS = ["--model=gpt2", "--size=tiny", "--seq_len=64", "--steps=3", "--warmup_steps=1"]
 TRAIN_RUNS = {  # golden file -> the run's own flags
@@ -139,3 +139,31 @@ def test_a_derived_pipeline_proxy_records_what_it_recorded(update_golden):
   assert r.returncode == 0, r.stderr[-3000:]
   check_golden("same_records_schedule_pp.jsonl", normalized_records([json.loads(r.stdout)], _NONE_MASKED),
                update_golden)
+
+
+SWEEP_RUNS = {  # golden file -> the sweep's flags: a CPU sweep (ragged included) and a compile-only target
+    "same_records_sweep.json": ["--collectives=all_reduce,all_gather,ragged_all_to_all", "--scopes=global",
+                                "--min_bytes=1K", "--max_bytes=64K", "--sample_ms=0"],
+    "same_records_target_h100.json": ["--target=h100", "--topology=nodes:1,gpus:8", "--min_bytes=1K",
+                                      "--max_bytes=64K"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("golden", [
+    "same_records_sweep.json",
+    pytest.param("same_records_target_h100.json", marks=pytest.mark.gpu_compile)])
+def test_a_sweep_records_what_it_recorded(tmp_path, update_golden, golden):
+  """results.jsonl and results.csv of a sweep, timing-dependent values and every float masked
+  (tests/run_records.py): which points ran, their status, checks, programs and HLO findings."""
+  from microbench.aot import gpu_compile  # pylint: disable=import-outside-toplevel
+  if "target" in golden and not gpu_compile.plugin_available():
+    pytest.skip("needs the gpu-compile extra: pip install -e '.[gpu-compile]'")
+  out = tmp_path / "run"
+  r = subprocess.run([sys.executable, "-m", "microbench", *doubling(SWEEP_RUNS[golden]), f"--outdir={out}"],
+                     capture_output=True, text=True, timeout=600, cwd=ROOT, check=False,
+                     env=clean_env(PYTHONHASHSEED="0"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  got = run_records.masked(str(out))
+  text = json.dumps({k: got[k] for k in ("results.jsonl", "results.csv")}, indent=1, sort_keys=True) + "\n"
+  check_golden(golden, text, update_golden)
