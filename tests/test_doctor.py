@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -328,3 +329,30 @@ def test_doctor_through_slurm_names_the_planted_part(tmp_path, tmp_path_factory)
   assert [c["part"] for c in doc["culprits"]] == ["h3"] and not doc["unresolved"], (doc["culprits"], doc["unresolved"])
   assert doc["hosts"] == [bed.host_name(i) for i in range(4)] and doc["racks"] == [0, 0, 1, 1]
   assert f"BAD h3: network link of node 3 ({bed.host_name(3)})" in log
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(threshold=1.0), "--threshold=1.0 must be > 1"),
+    (dict(sizes=(("p2p", 2), ("all_reduce", 4096))), "--p2p_bytes must be at least 4 bytes"),
+    (dict(sizes=(("p2p", 0), ("all_reduce", 3))), "--all_reduce_bytes must be at least 4 bytes"),
+    (dict(survey_rounds=0), "--survey_rounds=0 must be >= 1"),
+])
+def test_the_library_refuses_what_the_command_line_refuses(monkeypatch, settings, message):
+  """A doctor run started from Python is refused with the command line's line; without the check (a mutant)
+  the same request would run."""
+  fleet = Fleet.dense(4, 4)
+  with pytest.raises(survey.SettingsError, match=re.escape(message)):
+    survey.run(fleet, lambda tests: {t: 1.0 for t in tests}, survey.Settings(**settings))
+  monkeypatch.setattr(survey, "check", lambda s: s)
+  try:
+    survey.run(fleet, lambda tests: {t: 1.0 for t in tests}, survey.Settings(**settings))
+  except survey.SettingsError:
+    pytest.fail("the unchecked request was refused anyway: the check is not what refuses it")
+  except Exception:  # pylint: disable=broad-except
+    pass  # running it may fail further in: what matters is that the check is what refuses it first
+
+
+def test_the_command_line_prints_the_librarys_line():
+  r = _cli("--simulate=8", "--all_reduce_bytes=2")
+  assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+      "microbench-doctor: error: --all_reduce_bytes must be at least 4 bytes (one float32)"], r.stderr

@@ -32,8 +32,8 @@ flags.DEFINE_integer("survey_rounds", pair_rounds.SURVEY_ROUNDS, "Round-robin ro
                      " full round robin is shorter).", lower_bound=1)
 flags.DEFINE_integer("confirm_rounds", survey.CONFIRM_ROUNDS, "Most confirmation rounds on the suspects.",
                      lower_bound=0)
-flags.DEFINE_string("p2p_bytes", "auto", "Bytes each rank sends in the point-to-point swap; auto: 1M, or 10 ms at"
-                    " the fabric's NIC rate where that is more (bandwidth-bound: 128M on 12.5 GB/s NICs).")
+flags.DEFINE_string("p2p_bytes", "auto", "Bytes each rank sends in the point-to-point swap; auto (or 0): 1M, or 10 ms"
+                    " at the fabric's NIC rate where that is more (bandwidth-bound: 128M on 12.5 GB/s NICs).")
 flags.DEFINE_string("all_reduce_bytes", "4K", "Bytes per rank of the small (latency-bound) pair all-reduce.")
 flags.DEFINE_string("scale_up_bytes", "1M", "Bytes per device of the all-reduce inside each node.")
 flags.DEFINE_integer("samples", 5, "Timed calls per program (their median counts).", lower_bound=1)
@@ -68,14 +68,11 @@ def _settings() -> survey.Settings:
       sized.append((kind, sizes.parse_size(text)))
     except ValueError as e:
       raise app.UsageError(f"--{kind}_bytes: {e}") from None
-  sized = tuple(sized)
-  bad = [f"--{k}_bytes" for k, v in sized if v < 4 and not (k == "p2p" and FLAGS.p2p_bytes == "auto")]
-  if bad:
-    raise app.UsageError(f"{', '.join(bad)} must be at least 4 bytes (one float32)")
-  if not FLAGS.threshold > 1:
-    raise app.UsageError(f"--threshold={FLAGS.threshold} must be > 1 (a test this many times its reference is slow)")
-  return survey.Settings(threshold=FLAGS.threshold, survey_rounds=FLAGS.survey_rounds,
-                         confirm_rounds=FLAGS.confirm_rounds, sizes=sized)
+  try:
+    return survey.check(survey.Settings(threshold=FLAGS.threshold, survey_rounds=FLAGS.survey_rounds,
+                                        confirm_rounds=FLAGS.confirm_rounds, sizes=tuple(sized)))
+  except survey.SettingsError as e:
+    raise app.UsageError(str(e)) from None
 
 
 def _fabric() -> fd.Fabric | None:

@@ -24,8 +24,14 @@ Measure = Callable[[Sequence[Test]], dict[Test, float]]
 PROGRAM = {"loss": "p2p"}  # a derived kind and the program whose run yields it
 
 
+class SettingsError(ValueError):
+  """A request the doctor refuses; its text is the command line's one-line error."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
+  """What the doctor runs; `check` refuses what it cannot (the command line and Python callers alike).
+  A p2p size of 0 means auto: chosen once the fabric is known (fleet.auto_p2p_bytes)."""
   threshold: float = diagnose.THRESHOLD
   survey_rounds: int = pair_rounds.SURVEY_ROUNDS
   confirm_rounds: int = CONFIRM_ROUNDS
@@ -70,9 +76,24 @@ def groups(tests: Sequence[Test]) -> list[list[Test]]:
   return [out[k] for k in sorted(out)]
 
 
+def check(settings: Settings) -> Settings:
+  """`settings`, or SettingsError naming what is wrong and what is allowed."""
+  bad = [f"--{k}_bytes" for k, v in settings.sizes if v < 4 and not (k == "p2p" and v == 0)]
+  if bad:
+    raise SettingsError(f"{', '.join(bad)} must be at least 4 bytes (one float32)")
+  if not settings.threshold > 1:
+    raise SettingsError(f"--threshold={settings.threshold} must be > 1 (a test this many times its reference is "
+                        "slow)")
+  if settings.survey_rounds < 1 or settings.confirm_rounds < 0:
+    raise SettingsError(f"--survey_rounds={settings.survey_rounds} must be >= 1 and --confirm_rounds="
+                        f"{settings.confirm_rounds} >= 0")
+  return settings
+
+
 def run(fleet: Fleet, measure: Measure, settings: Settings = Settings(),
         say: Callable[[str], None] = lambda s: None) -> Outcome:
   """Survey, confirm, judge. `measure` must return a time for every test it is given."""
+  check(settings)
   start = time.monotonic()
   sizes = dict(settings.sizes)
   notes = []
