@@ -687,6 +687,68 @@ def distinct_counts(coll: collectives.Collective, dtype: str, n: int, sizes: lis
   return out
 
 
+def _say_skips(cfg: SweepConfig, plans: list[ScopePlan], active: list[ScopePlan], platform: str,
+               out: run_folder.RunOutputs) -> None:
+  """One comment line per scope, collective, dtype or mode the sweep leaves out, and why."""
+  for c in cfg.collectives:
+    for p in active:
+      if collectives.get(c).refuses_group(p.group_size):
+        out.print(f"# {c} over {p.name} skipped: {collectives.get(c).refuses_group(p.group_size)}")
+  for p in plans:
+    if p.skip_reason:
+      out.print(f"# scope {p.name} skipped: {p.skip_reason}")
+  if cfg.command_buffer != "no":
+    out.print(f"# --command_buffer={cfg.command_buffer}: {command_buffer.SAYS[cfg.command_buffer]}")
+  if cfg.overlap and platform == "cpu":
+    out.print(f"# --overlap: {overlap.CPU_NOTE}")
+  if not active:
+    out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
+              " nothing, and XLA removes it); no point is recorded")
+  for c in cfg.collectives:
+    if collectives.get(c).refuses_platform(platform):
+      out.print(f"# {c} skipped: {collectives.get(c).refuses_platform(platform)}")
+    for d in cfg.dtypes:
+      if collectives.get(c).refuses(d):
+        out.print(f"# {c} in {d} skipped: {collectives.get(c).refuses(d)}")
+
+
+def _say_block(cfg: SweepConfig, header: str, plan: ScopePlan, dtype: str, counts: dict[int, list[int]],
+               out: run_folder.RunOutputs) -> None:
+  """A block's heading, the requested sizes that share one element count, and the table's header."""
+  out.print(header)
+  itemsize = np.dtype(program.DTYPES[dtype]).itemsize
+  for count, reqs in counts.items():
+    if len(reqs) > 1:
+      out.print(f"# requested sizes {', '.join(map(str, reqs))} B all round to {count} elements "
+                f"({count * itemsize} B) for groups of {plan.group_size}: measured once")
+  for line in table.header(command_buffer=cfg.command_buffer == "both" and not cfg.target):
+    out.print("#" + line[1:])
+
+
+def _with_bounds(rec: dict[str, Any], peak: float | None, tpu: bool, family: str,
+                 model: fabric_expected.ScopeModel | None) -> None:
+  """Adds what the links allow (busbw's share of the peak) and what the fabric model expects of the point."""
+  if rec["status"] == "ok":
+    rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
+    if tpu:
+      rec["peak_algorithm"] = tpu_peaks.PEAK_ALGORITHM
+    if model is not None:
+      rec.update(fabric_expected.point(model, family, rec))
+  elif rec["status"] == "compiled" and peak:  # what the links would allow the measurement, once it runs
+    rec.update(peak_gbps=peak,
+               peak_algorithm=tpu_peaks.PEAK_ALGORITHM if tpu else link_peaks.ALGORITHMS.get(family))
+  rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _stop_on_peer_failure(rec: dict[str, Any], out: run_folder.RunOutputs) -> None:
+  """A point a lost peer ended: the job can't go on. Recorded as failed (a resume measures it again), named, so
+  the outcome reads the same whether this process's watchdog or the lost peer ended the point first."""
+  if rec["status"] == "failed" and jax.process_count() > 1 and distributed.is_peer_failure(rec["reason"]):
+    reason = f"a process of the job failed during {describe_point(rec)}: {rec['reason']}"
+    out.record({**rec, "status": "failed", "reason": reason})
+    raise JobFailed(reason)
+
+
 def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], plans: list[ScopePlan],
               out: run_folder.RunOutputs, done: set[tuple] = frozenset(), watchdog: Watchdog | None = None,
               records: list[dict[str, Any]] | None = None,
@@ -698,31 +760,13 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   barrier = program.make_barrier(mesh)
   records = [] if records is None else records
   active = [p for p in plans if not p.skip_reason]
-  for c in cfg.collectives:
-    for p in active:
-      if collectives.get(c).refuses_group(p.group_size):
-        out.print(f"# {c} over {p.name} skipped: {collectives.get(c).refuses_group(p.group_size)}")
-  for p in plans:
-    if p.skip_reason:
-      out.print(f"# scope {p.name} skipped: {p.skip_reason}")
-  if cfg.command_buffer != "no":
-    out.print(f"# --command_buffer={cfg.command_buffer}: {command_buffer.SAYS[cfg.command_buffer]}")
-  if cfg.overlap and program.platform_of(mesh) == "cpu":
-    out.print(f"# --overlap: {overlap.CPU_NOTE}")
-  if not active:
-    out.print("# nothing to measure: every requested scope was skipped (a collective within one device moves"
-              " nothing, and XLA removes it); no point is recorded")
   platform = program.platform_of(mesh)
-  for c in cfg.collectives:
-    if collectives.get(c).refuses_platform(platform):
-      out.print(f"# {c} skipped: {collectives.get(c).refuses_platform(platform)}")
-    for d in cfg.dtypes:
-      if collectives.get(c).refuses(d):
-        out.print(f"# {c} in {d} skipped: {collectives.get(c).refuses(d)}")
+  _say_skips(cfg, plans, active, platform, out)
   blocks = [(c, p, d) for c in cfg.collectives for p in active for d in cfg.dtypes
             if not collectives.get(c).refuses(d) and not collectives.get(c).refuses_group(p.group_size)
             and not collectives.get(c).refuses_platform(platform)]
   extents = dict(zip(mesh.axis_names, mesh.devices.shape))
+  tpu = tpu_peaks.is_tpu_mesh(mesh.axis_names)  # a TPU pod: the torus model's bound, not fabric levels
   plan_counts = [distinct_counts(collectives.get(c), d, p.group_size, sizes) for c, p, d in blocks]
   total = sum(len(c) for c in plan_counts)
   index = 0
@@ -730,19 +774,12 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
   for bi, ((cname, plan, dtype), counts) in enumerate(zip(blocks, plan_counts)):
     coll = collectives.get(cname)
     family = type(coll).name  # all_reduce for all_reduce_max too: the links bound any operator alike
-    tpu = tpu_peaks.is_tpu_mesh(mesh.axis_names)  # a TPU pod: the torus model's bound, not fabric levels
     peak = (tpu_peaks.scope_peak(family, plan.name, extents, mesh.devices.flat[0].device_kind) if tpu
             else link_peaks.bus_peak(family, plan.axes, extents, peaks))
-    out.print(f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
-              f"{plan.group_size}, {coll.impl(platform)}, busbw factor {coll.busbw_factor(plan.group_size):.4g}"
-              + (f", link peak {peak:.4g} GB/s busbw" if peak else ""))
-    for count, reqs in counts.items():
-      if len(reqs) > 1:
-        itemsize = np.dtype(program.DTYPES[dtype]).itemsize
-        out.print(f"# requested sizes {', '.join(map(str, reqs))} B all round to {count} elements "
-                  f"({count * itemsize} B) for groups of {plan.group_size}: measured once")
-    for line in table.header(command_buffer=cfg.command_buffer == "both" and not cfg.target):
-      out.print("#" + line[1:])
+    _say_block(cfg, f"\n# [{bi + 1}/{len(blocks)}] {cname} over {plan.name}: {plan.num_groups} group(s) of "
+               f"{plan.group_size}, {coll.impl(platform)}, busbw factor {coll.busbw_factor(plan.group_size):.4g}"
+               + (f", link peak {peak:.4g} GB/s busbw" if peak else ""), plan, dtype, counts, out)
+    itemsize = np.dtype(program.DTYPES[dtype]).itemsize
     last: tuple[float, int] | None = None  # (seconds per operation, bytes) of this block's previous point
     for count, reqs in counts.items():
       index += 1
@@ -750,27 +787,11 @@ def run_sweep(cfg: SweepConfig, mesh, peaks: dict[str, link_peaks.LevelPeak], pl
         continue
       if cfg.inject_crash and cfg.inject_crash[0] == jax.process_index() and index > cfg.inject_crash[1]:
         os.kill(os.getpid(), signal.SIGKILL)  # fault injection: die like a lost node, no cleanup
-      itemsize = np.dtype(program.DTYPES[dtype]).itemsize
       expected = last[0] * count * itemsize / last[1] if last else 0.0
       rec = run_point(cfg, mesh, plan, coll, dtype, reqs[0], barrier, watchdog, expected, index, total,
                       tuple(reqs[1:]))
-      if rec["status"] == "ok":
-        rec.update(link_peaks.share(rec["busbw_gbps"], peak, family))
-        if tpu:
-          rec["peak_algorithm"] = tpu_peaks.PEAK_ALGORITHM
-        if models and plan.name in models:
-          rec.update(fabric_expected.point(models[plan.name], family, rec))
-      elif rec["status"] == "compiled" and peak:  # what the links would allow the measurement, once it runs
-        rec.update(peak_gbps=peak,
-                   peak_algorithm=tpu_peaks.PEAK_ALGORITHM if tpu else link_peaks.ALGORITHMS.get(family))
-      rec["finished_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-      if (rec["status"] == "failed" and jax.process_count() > 1
-          and distributed.is_peer_failure(rec["reason"])):
-        # The job can't go on. The point is recorded as failed (a resume measures it again), named, so the
-        # outcome reads the same whether this process's watchdog or the lost peer ended the point first.
-        reason = f"a process of the job failed during {describe_point(rec)}: {rec['reason']}"
-        out.record({**rec, "status": "failed", "reason": reason})
-        raise JobFailed(reason)
+      _with_bounds(rec, peak, tpu, family, (models or {}).get(plan.name))
+      _stop_on_peer_failure(rec, out)
       if rec["status"] == "ok":  # a call of the long arm / its operations, which includes per-call costs
         per_op = rec["call_us_long"] / rec["iters"] if "call_us_long" in rec else rec["time_us"]
         last = (per_op * 1e-6, rec["bytes"])
