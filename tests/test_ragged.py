@@ -331,11 +331,12 @@ def test_compiled_for_h100_it_is_the_async_ragged_all_to_all_in_the_loop():
 # ------------------------------------------------------------------------------------------------ the sweep
 
 def test_all_stays_the_six_and_the_ragged_ones_are_listed_by_name():
+  from microbench.bench import settings  # pylint: disable=import-outside-toplevel
   from microbench.cli import bench as bench_cli  # pylint: disable=import-outside-toplevel
   assert not set(collectives.RAGGED) & set(collectives.NAMES)
-  assert bench_cli._choose(["all"], collectives.NAMES, "collective", collectives.RAGGED) == collectives.NAMES
-  assert bench_cli._choose(["ragged_all_to_all_skewed"], collectives.NAMES, "collective",
-                           collectives.RAGGED) == ("ragged_all_to_all_skewed",)
+  assert settings.choose(["all"], collectives.NAMES, "collective", collectives.RAGGED) == collectives.NAMES
+  assert settings.choose(["ragged_all_to_all_skewed"], collectives.NAMES, "collective",
+                         collectives.RAGGED) == ("ragged_all_to_all_skewed",)
   help_text = bench_cli.FLAGS["collectives"].help
   assert all(name in help_text for name in collectives.RAGGED)
 

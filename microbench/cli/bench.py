@@ -103,8 +103,6 @@ SWEEP_FLAGS = bench_settings.RECORDED  # recorded in meta.json; a resumed run ta
 # What only a run does (processes, fault injection, traces of timed calls): refused with --target.
 RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, *bench_settings.RUN_ONLY)  # a compile-only run times nothing
 
-_choose = bench_settings.choose  # kept for callers of the command's module
-
 
 def settings_from_flags() -> bench_settings.SweepSettings:
   """The flags as the library's sweep settings, unchecked (bench_settings.check refuses what cannot run)."""
