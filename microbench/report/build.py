@@ -255,6 +255,85 @@ def _within_side_lines(side: Side) -> list[str]:
           + ", ".join(f"`{k}`" for k in keys) + "."]
 
 
+def _intro_lines(sweeps: list[runs.SweepRun], trains: list[runs.TrainRun], groups: list[Side]) -> list[str]:
+  """The report's head: when and from what it was made, and what differs between the sides and within one."""
+  now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  md = ["# microbench report", "", f"Generated {now} from {len(sweeps) + len(trains)} run(s):", ""]
+  md += [f"- `{r.label}`: `{os.path.abspath(r.path)}`" for r in [*sweeps, *trains]]
+  for other in groups[1:]:
+    md += ["", f"## Settings that differ: `{other.label}` (B) against `{groups[0].label}` (A)", "",
+           *_diff_lines(groups[0].runs[0], other.runs[0])]
+  for side in groups:
+    md += _within_side_lines(side)
+  return md
+
+
+def _sweep_lines(run: runs.SweepRun, fits: list[alpha_beta.Fit]) -> list[str]:
+  """One sweep's section: its summary table, its problem points and its alpha-beta fits."""
+  md = ["", f"## Sweep `{run.label}`", "", *_env_lines(run.meta), "",
+        "### Average bus bandwidth (mean over sizes), best busbw and its share of the link peak", "",
+        tables.markdown(tables.SUMMARY_HEADERS, tables.summary_rows(run.records))]
+  problems = tables.problem_rows(run.records)
+  for title, rows in problems.items():
+    if rows:
+      md += ["", f"### Points {title} ({len(rows)})", "",
+             tables.markdown(("collective", "scope", "dtype", "size", "what", "detail"), rows)]
+  if not any(problems.values()):
+    md += ["", "No skipped, failed, wrong or straggling points."]
+  md += ["", f"### Alpha-beta model per series: {alpha_beta.FORM}", "",
+         tables.markdown(FIT_HEADERS, fit_rows(fits))]
+  return md
+
+
+def _ratio_lines(out: str, base: Side, other: Side, figures: dict[str, Any]) -> list[str]:
+  """One side (B) against the base (A): the ratio CSV written into `out`, its summary and per-point tables,
+  the points only one side has, and the ratio figure added to `figures`."""
+  r = tables.ratio_rows([run.records for run in base.runs], [run.records for run in other.runs])
+  name = f"ratio_{_slug(other.label)}_vs_{_slug(base.label)}"
+  _write_csv(os.path.join(out, name + ".csv"), tables.RATIO_HEADERS, r["both"])
+  summary = tables.ratio_summary(r["both"], r["series_interval"])
+  md = ["", f"## `{other.label}` (B) against `{base.label}` (A)", "", "What differs in their settings:", "",
+        *_diff_lines(base.runs[0], other.runs[0]), "",
+        f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`. "
+        + tables.changed_text(summary, r["runs"]), "",
+        tables.markdown(tables.RATIO_SUMMARY_HEADERS, summary), "",
+        "Per point:", "", tables.markdown(tables.RATIO_HEADERS, r["both"])]
+  for which, rows in (("A", r["only_a"]), ("B", r["only_b"])):
+    if rows:
+      md += ["", f"Points measured (status ok) only in run {which} or not ok in the other ({len(rows)}):", "",
+             tables.markdown(("collective", "scope", "dtype", "n", "bytes", "status A", "status B"), rows)]
+  if r["both"]:
+    figures[name + ".png"] = plots.ratio_figure(base.label, other.label, r["both"], r["runs"])
+    md += ["", f"![{name}]({name}.png)"]
+  return md
+
+
+def _train_lines(trains: list[runs.TrainRun], figures: dict[str, Any]) -> list[str]:
+  """The training runs' table side by side; their curves and throughput bars added to `figures`."""
+  rows = [tables.train_row(t.label, t.config, t.summary) for t in trains]
+  md = ["", "## Training runs", "", tables.markdown(tables.TRAIN_HEADERS, rows)]
+  unfinished = [t.label for t in trains if t.summary is None]
+  if unfinished:
+    md += ["", "Not finished (no summary): " + ", ".join(f"`{u}`" for u in unfinished)]
+  figures["train_curves.png"] = plots.train_curves_figure([(t.label, t.steps) for t in trains])
+  figures["train_throughput.png"] = plots.train_bars_figure(
+      [(row[0], (t.summary or {}).get("item", "items"), row[8], row[10]) for row, t in zip(rows, trains)])
+  md += ["", "![train_curves](train_curves.png)", "", "![train_throughput](train_throughput.png)"]
+  return md
+
+
+def _write_report(out: str, md: list[str], figures: dict[str, Any]) -> str:
+  """The figures (as PNGs and into the folder's events) and report.md into `out`; returns the Markdown."""
+  for name, fig in figures.items():
+    plots.save(fig, os.path.join(out, name))
+  if figures:
+    write_images(out, figures, "report")
+  text = "\n".join(md) + "\n"
+  with open(os.path.join(out, REPORT), "w", encoding="utf-8") as f:
+    f.write(text)
+  return text
+
+
 def build(paths: list[str], out: str, predict: list[int] | None = None,
           sides: list[list[str]] | None = None) -> Report:
   """Reads the runs, writes report.md, the figures and comparison CSVs into `out`, returns it all. `sides`
@@ -264,31 +343,13 @@ def build(paths: list[str], out: str, predict: list[int] | None = None,
   sweeps, trains = runs.load(paths)
   groups = _sides(sweeps, sides)
   os.makedirs(out, exist_ok=True)
-  now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-  md = ["# microbench report", "", f"Generated {now} from {len(sweeps) + len(trains)} run(s):", ""]
-  md += [f"- `{r.label}`: `{os.path.abspath(r.path)}`" for r in [*sweeps, *trains]]
-  for other in groups[1:]:
-    md += ["", f"## Settings that differ: `{other.label}` (B) against `{groups[0].label}` (A)", "",
-           *_diff_lines(groups[0].runs[0], other.runs[0])]
-  for side in groups:
-    md += _within_side_lines(side)
+  md = _intro_lines(sweeps, trains, groups)
   figures: dict[str, Any] = {}
   fits: dict[str, list[alpha_beta.Fit]] = {}
 
   for run in sweeps:
     fits[run.label] = alpha_beta.fit_run(run.records)
-    md += ["", f"## Sweep `{run.label}`", "", *_env_lines(run.meta), "",
-           "### Average bus bandwidth (mean over sizes), best busbw and its share of the link peak", "",
-           tables.markdown(tables.SUMMARY_HEADERS, tables.summary_rows(run.records))]
-    problems = tables.problem_rows(run.records)
-    for title, rows in problems.items():
-      if rows:
-        md += ["", f"### Points {title} ({len(rows)})", "",
-               tables.markdown(("collective", "scope", "dtype", "size", "what", "detail"), rows)]
-    if not any(problems.values()):
-      md += ["", "No skipped, failed, wrong or straggling points."]
-    md += ["", f"### Alpha-beta model per series: {alpha_beta.FORM}", "",
-           tables.markdown(FIT_HEADERS, fit_rows(fits[run.label]))]
+    md += _sweep_lines(run, fits[run.label])
     if len(sweeps) == 1:
       figs = single_sweep_figures(run)
       figures.update(figs)
@@ -298,46 +359,15 @@ def build(paths: list[str], out: str, predict: list[int] | None = None,
     figs = compare_sweep_figures(sweeps)
     figures.update(figs)
     md += ["", "## Runs side by side", ""] + [f"![{name}]({name})" for name in figs]
-    base = groups[0]
     for other in groups[1:]:
-      r = tables.ratio_rows([run.records for run in base.runs], [run.records for run in other.runs])
-      name = f"ratio_{_slug(other.label)}_vs_{_slug(base.label)}"
-      _write_csv(os.path.join(out, name + ".csv"), tables.RATIO_HEADERS, r["both"])
-      summary = tables.ratio_summary(r["both"], r["series_interval"])
-      md += ["", f"## `{other.label}` (B) against `{base.label}` (A)", "", "What differs in their settings:", "",
-             *_diff_lines(base.runs[0], other.runs[0]), "",
-             f"{len(r['both'])} point(s) in both runs; per-point table in `{name}.csv`. "
-             + tables.changed_text(summary, r["runs"]), "",
-             tables.markdown(tables.RATIO_SUMMARY_HEADERS, summary), "",
-             "Per point:", "", tables.markdown(tables.RATIO_HEADERS, r["both"])]
-      for which, rows in (("A", r["only_a"]), ("B", r["only_b"])):
-        if rows:
-          md += ["", f"Points measured (status ok) only in run {which} or not ok in the other ({len(rows)}):", "",
-                 tables.markdown(("collective", "scope", "dtype", "n", "bytes", "status A", "status B"), rows)]
-      if r["both"]:
-        figures[name + ".png"] = plots.ratio_figure(base.label, other.label, r["both"], r["runs"])
-        md += ["", f"![{name}]({name}.png)"]
+      md += _ratio_lines(out, groups[0], other, figures)
 
   if trains:
-    rows = [tables.train_row(t.label, t.config, t.summary) for t in trains]
-    md += ["", "## Training runs", "", tables.markdown(tables.TRAIN_HEADERS, rows)]
-    unfinished = [t.label for t in trains if t.summary is None]
-    if unfinished:
-      md += ["", "Not finished (no summary): " + ", ".join(f"`{u}`" for u in unfinished)]
-    figures["train_curves.png"] = plots.train_curves_figure([(t.label, t.steps) for t in trains])
-    figures["train_throughput.png"] = plots.train_bars_figure(
-        [(row[0], (t.summary or {}).get("item", "items"), row[8], row[10]) for row, t in zip(rows, trains)])
-    md += ["", "![train_curves](train_curves.png)", "", "![train_throughput](train_throughput.png)"]
+    md += _train_lines(trains, figures)
 
   predictions = prediction_rows(fits, predict) if predict and fits else []
   if predictions:
     md += ["", "## Predicted times from the alpha-beta fits", "", tables.markdown(PREDICT_HEADERS, predictions)]
 
-  for name, fig in figures.items():
-    plots.save(fig, os.path.join(out, name))
-  if figures:
-    write_images(out, figures, "report")
-  text = "\n".join(md) + "\n"
-  with open(os.path.join(out, REPORT), "w", encoding="utf-8") as f:
-    f.write(text)
+  text = _write_report(out, md, figures)
   return Report(out, text, figures, fits, sweeps, trains, predictions)
