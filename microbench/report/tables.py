@@ -183,6 +183,90 @@ def _log_times(recs: list[dict[str, Any]]) -> np.ndarray:
   return np.log(np.asarray([r["time_us"] for r in recs], np.float64))
 
 
+_Matched = tuple[PointKey, list[dict[str, Any]], list[dict[str, Any]]]  # a point, its ok records on A and on B
+
+
+def _match(a_by: dict[PointKey, list[dict[str, Any]]],
+           b_by: dict[PointKey, list[dict[str, Any]]]) -> tuple[list[_Matched], list[tuple], list[tuple]]:
+  """The points both sides resolved (ok, with a time > 0), and those only one side has, with their status."""
+  matched: list[_Matched] = []
+  only_a, only_b = [], []
+  for k, ras in a_by.items():
+    oka = [r for r in ok(ras) if (r.get("time_us") or 0) > 0]  # a time <= 0 (by difference) is not resolved
+    okb = [r for r in ok(b_by.get(k, [])) if (r.get("time_us") or 0) > 0]
+    if oka and okb:
+      matched.append((k, oka, okb))
+    else:
+      rbs = b_by.get(k)
+      only_a.append((*k, "ok" if oka else ras[0].get("status"),
+                     None if not rbs else "ok" if okb else rbs[0].get("status")))
+  for k, rbs in b_by.items():
+    if k not in a_by:
+      only_b.append((*k, None, rbs[0].get("status")))
+  return matched, only_a, only_b
+
+
+def _pooled_spread(matched: list[_Matched]) -> dict[SeriesKey, list[float]]:
+  """The spread between runs, pooled per series: sum of squares of log run medians about their side's mean,
+  and its degrees of freedom."""
+  pooled: dict[SeriesKey, list[float]] = {}
+  for k, ras, rbs in matched:
+    acc = pooled.setdefault(k[:4], [0.0, 0.0])
+    for recs in (ras, rbs):
+      x = _log_times(recs)
+      acc[0] += float(np.sum((x - x.mean()) ** 2))
+      acc[1] += x.size - 1
+  return pooled
+
+
+def _mean_busbw(recs: list[dict[str, Any]]) -> float | None:
+  """The geometric mean of the runs' busbw, or None where a run has none."""
+  if not all(r.get("busbw_gbps") for r in recs):
+    return None
+  return math.exp(float(np.mean(np.log([r["busbw_gbps"] for r in recs]))))
+
+
+def _point_row(k: PointKey, ras: list[dict[str, Any]], rbs: list[dict[str, Any]], spread: list[float],
+               tail: float, rng: np.random.Generator,
+               draw_count: int) -> tuple[tuple[Any, ...], str | np.ndarray | None]:
+  """One matched point's row, and what its series' interval is made of: RUNS (Student's t on the spread
+  between runs) or the point's bootstrap draws of the samples within one run per side."""
+  xa, xb = _log_times(ras), _log_times(rbs)
+  d = float(xb.mean() - xa.mean())
+  ss, df = spread
+  part: str | np.ndarray | None
+  if df > 0:
+    own_df = xa.size + xb.size - 2
+    own = (float(np.sum((xa - xa.mean()) ** 2) + np.sum((xb - xb.mean()) ** 2)) / own_df) if own_df else 0.0
+    se = math.sqrt(max(ss / df, own) * (1 / xa.size + 1 / xb.size))
+    q = _t(tail, df)
+    lo, hi, how = math.exp(d - q * se), math.exp(d + q * se), RUNS
+    part = RUNS
+  else:
+    draws = median_ratio_draws(ras[0].get("samples_us"), rbs[0].get("samples_us"), rng, draw_count)
+    (lo, hi), how = interval(draws, tail), SAMPLES if draws is not None else None
+    part = draws
+  bwa, bwb = _mean_busbw(ras), _mean_busbw(rbs)
+  row = (*k, math.exp(float(xa.mean())), math.exp(float(xb.mean())), math.exp(d), bwa, bwb,
+         bwb / bwa if bwa and bwb else None, lo, hi, change(lo, hi), xa.size, xb.size, how)
+  return row, part
+
+
+def _series_intervals(series_parts: dict[SeriesKey, list[str | np.ndarray | None]], matched: list[_Matched],
+                      ka: int, kb: int, tail: float) -> dict[SeriesKey, tuple[float | None, float | None]]:
+  """Each series' interval on its geometric-mean ratio: from the runs where every point has several per
+  side, from the points' bootstrap draws combined draw by draw where none has, else none."""
+  series_interval: dict[SeriesKey, tuple[float | None, float | None]] = {}
+  for s, parts in series_parts.items():
+    if all(isinstance(p, str) for p in parts):  # RUNS
+      series_interval[s] = _series_t([(ras, rbs) for k, ras, rbs in matched if k[:4] == s], ka, kb, tail)
+    elif all(isinstance(p, np.ndarray) for p in parts):  # bootstrap draws combined draw by draw
+      series_interval[s] = interval(np.exp(np.mean(np.log(np.stack(parts)), axis=0)), tail)
+    else:
+      series_interval[s] = (None, None)
+  return series_interval
+
+
 def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
   """Run(s) B against run(s) A per point (matched on collective, scope, dtype, group size and bytes): each
   side's time is the geometric mean of its runs' median times (busbw likewise), with an interval on the time
@@ -199,66 +283,18 @@ def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
   simultaneous at CONFIDENCE (Bonferroni over its points; the series' intervals over its series, from the
   runs' mean over the series, as `_series_t` says)."""
   a_runs, b_runs = _runs(a), _runs(b)
-  a_by, b_by = _by_point(a_runs), _by_point(b_runs)
-  matched: list[tuple[PointKey, list[dict[str, Any]], list[dict[str, Any]]]] = []
-  only_a, only_b = [], []
-  for k, ras in a_by.items():
-    oka = [r for r in ok(ras) if (r.get("time_us") or 0) > 0]  # a time <= 0 (by difference) is not resolved
-    okb = [r for r in ok(b_by.get(k, [])) if (r.get("time_us") or 0) > 0]
-    if oka and okb:
-      matched.append((k, oka, okb))
-    else:
-      rbs = b_by.get(k)
-      only_a.append((*k, "ok" if oka else ras[0].get("status"),
-                     None if not rbs else "ok" if okb else rbs[0].get("status")))
-  for k, rbs in b_by.items():
-    if k not in a_by:
-      only_b.append((*k, None, rbs[0].get("status")))
-
-  # The spread between runs, pooled per series: sum of squares of log run medians about their side's mean.
-  pooled: dict[SeriesKey, list[float]] = {}
-  for k, ras, rbs in matched:
-    acc = pooled.setdefault(k[:4], [0.0, 0.0])
-    for recs in (ras, rbs):
-      x = _log_times(recs)
-      acc[0] += float(np.sum((x - x.mean()) ** 2))
-      acc[1] += x.size - 1
+  matched, only_a, only_b = _match(_by_point(a_runs), _by_point(b_runs))
+  pooled = _pooled_spread(matched)
   tail = _tail(len(matched))
-  series_tail = _tail(len(pooled))
   draw_count = max(BOOTSTRAP, int(math.ceil(20 / tail)))  # 20 draws beyond each bound at least
   rng = np.random.default_rng(SEED)
   both = []
   series_parts: dict[SeriesKey, list[str | np.ndarray | None]] = {}  # RUNS, or the point's bootstrap draws
   for k, ras, rbs in matched:
-    xa, xb = _log_times(ras), _log_times(rbs)
-    d = float(xb.mean() - xa.mean())
-    ss, df = pooled[k[:4]]
-    if df > 0:
-      own_df = xa.size + xb.size - 2
-      own = (float(np.sum((xa - xa.mean()) ** 2) + np.sum((xb - xb.mean()) ** 2)) / own_df) if own_df else 0.0
-      se = math.sqrt(max(ss / df, own) * (1 / xa.size + 1 / xb.size))
-      q = _t(tail, df)
-      lo, hi, how = math.exp(d - q * se), math.exp(d + q * se), RUNS
-      series_parts.setdefault(k[:4], []).append(RUNS)
-    else:
-      draws = median_ratio_draws(ras[0].get("samples_us"), rbs[0].get("samples_us"), rng, draw_count)
-      (lo, hi), how = interval(draws, tail), SAMPLES if draws is not None else None
-      series_parts.setdefault(k[:4], []).append(draws)
-    bwa = math.exp(float(np.mean(np.log([r["busbw_gbps"] for r in ras])))) if all(
-        r.get("busbw_gbps") for r in ras) else None
-    bwb = math.exp(float(np.mean(np.log([r["busbw_gbps"] for r in rbs])))) if all(
-        r.get("busbw_gbps") for r in rbs) else None
-    both.append((*k, math.exp(float(xa.mean())), math.exp(float(xb.mean())), math.exp(d), bwa, bwb,
-                 bwb / bwa if bwa and bwb else None, lo, hi, change(lo, hi), xa.size, xb.size, how))
-  series_interval: dict[SeriesKey, tuple[float | None, float | None]] = {}
-  for s, parts in series_parts.items():
-    if all(isinstance(p, str) for p in parts):  # RUNS
-      series_interval[s] = _series_t([(ras, rbs) for k, ras, rbs in matched if k[:4] == s],
-                                     len(a_runs), len(b_runs), series_tail)
-    elif all(isinstance(p, np.ndarray) for p in parts):  # bootstrap draws combined draw by draw
-      series_interval[s] = interval(np.exp(np.mean(np.log(np.stack(parts)), axis=0)), series_tail)
-    else:
-      series_interval[s] = (None, None)
+    row, part = _point_row(k, ras, rbs, pooled[k[:4]], tail, rng, draw_count)
+    both.append(row)
+    series_parts.setdefault(k[:4], []).append(part)
+  series_interval = _series_intervals(series_parts, matched, len(a_runs), len(b_runs), _tail(len(pooled)))
   return {"both": both, "only_a": only_a, "only_b": only_b, "series_interval": series_interval,
           "runs": (len(a_runs), len(b_runs))}
 
