@@ -44,6 +44,60 @@ def colour_map(keys: Sequence[str]) -> dict[str, str]:
   return {k: cycle[i % len(cycle)] for i, k in enumerate(dict.fromkeys(keys))}
 
 
+def _draw_series(bw, tm, label: str, recs: Sequence[dict[str, Any]], peak: float | str | None,
+                 model: Model | None, colour: str | None, top: float) -> tuple[bool, bool, bool, str | None]:
+  """One series on a panel: busbw with its peak and expected busbw, time with its fit. Returns whether its
+  peak or expected busbw is far above the panel's best busbw, whether it drew an expected busbw and a fit,
+  and the note naming a poor fit."""
+  xs = [r["bytes"] for r in recs]
+  known = peak if isinstance(peak, (int, float)) and peak > 0 else None
+  shown = label + (f", peak {known:.4g} GB/s" if known else f", {peak or NO_PEAK}")
+  (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=shown, color=colour)
+  tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=shown, color=line.get_color())
+  far = expected = fitted = False
+  poor = None
+  if known:
+    bw.axhline(known, linestyle="--", linewidth=1, color=line.get_color(), label="_peak")
+    far = known > PEAK_SPAN * top
+  ex = [(r["bytes"], r["expected_busbw_gbps"]) for r in recs if (r.get("expected_busbw_gbps") or 0) > 0]
+  if ex:  # the fabric model's busbw for the same points (fabric/expected.py), where it applies
+    bw.plot([x for x, _ in ex], [y for _, y in ex], linestyle=":", linewidth=1.5, color=line.get_color(),
+            label="_expected")
+    expected = True
+    far = far or max(y for _, y in ex) > PEAK_SPAN * top
+  if model and xs:
+    alpha, beta, why = model
+    fx = sorted(xs)
+    tm.plot(fx, [alpha + (0.0 if beta is None else x / (beta * 1e3)) for x in fx], linestyle="--",
+            linewidth=1, color=line.get_color(), label="_fit")
+    fitted = True
+    if why:
+      poor = f"poor fit {label}: {why}"
+  return far, expected, fitted, poor
+
+
+def _label_panel(bw, tm, title: str, far: bool, expected: bool, fitted: bool, poor: list[str],
+                 legend: bool) -> None:
+  """A panel's scales, labels, poor-fit notes and legend, once its series are drawn."""
+  if far:
+    bw.set_yscale("log")
+    bw.set_ylabel("busbw (GB/s, log: peak far above)" + (f"; {EXPECTED_NOTE}" if expected else ""))
+  else:
+    bw.set_ylim(bottom=0)
+    bw.set_ylabel("busbw (GB/s)" + (f"; {EXPECTED_NOTE}" if expected else ""))
+  if poor:  # wrapped to the panel: constrained layout squeezed the axes to nothing beside one long line
+    note = "\n".join(textwrap.fill(p, NOTE_CHARS, subsequent_indent="  ") for p in poor)
+    tm.text(0.02, 0.98, note, transform=tm.transAxes, fontsize=7, va="top", color="red", in_layout=False)
+  bw.set_title(title, fontsize=10)
+  tm.set_ylabel("time (us)")
+  tm.set_yscale("log")
+  tm.set_xlabel("message size S (bytes)" + (f"; {FIT_NOTE}" if fitted else ""))
+  for ax in (bw, tm):
+    _size_axis(ax)
+  if legend:
+    bw.legend(fontsize=7, loc="best")
+
+
 def collective_figure(collective: str, panels: Sequence[Panel], models: Mapping[tuple[str, str], Model] | None = None,
                       colours: Mapping[str, str] | None = None) -> Figure:
   """busbw (top) and time (bottom) against message size, one column per panel, one line per series.
@@ -63,51 +117,15 @@ def collective_figure(collective: str, panels: Sequence[Panel], models: Mapping[
   for j, (title, lines) in enumerate(panels):
     bw, tm = axes[0][j], axes[1][j]
     top = max((r["busbw_gbps"] for _, recs, _ in lines for r in recs), default=0.0)
-    far = False
+    far = expected = fitted = False
     poor = []
-    fitted = expected = False
     for label, recs, peak in lines:
-      xs = [r["bytes"] for r in recs]
-      model = (models or {}).get((title, label))
-      known = peak if isinstance(peak, (int, float)) and peak > 0 else None
-      shown = label + (f", peak {known:.4g} GB/s" if known else f", {peak or NO_PEAK}")
-      colour = (colours or {}).get(label)
-      (line,) = bw.plot(xs, [r["busbw_gbps"] for r in recs], marker="o", markersize=3, label=shown, color=colour)
-      tm.plot(xs, [r["time_us"] for r in recs], marker="o", markersize=3, label=shown, color=line.get_color())
-      if known:
-        bw.axhline(known, linestyle="--", linewidth=1, color=line.get_color(), label="_peak")
-        far = far or known > PEAK_SPAN * top
-      ex = [(r["bytes"], r["expected_busbw_gbps"]) for r in recs if (r.get("expected_busbw_gbps") or 0) > 0]
-      if ex:  # the fabric model's busbw for the same points (fabric/expected.py), where it applies
-        bw.plot([x for x, _ in ex], [y for _, y in ex], linestyle=":", linewidth=1.5, color=line.get_color(),
-                label="_expected")
-        expected = True
-        far = far or max(y for _, y in ex) > PEAK_SPAN * top
-      if model and xs:
-        alpha, beta, why = model
-        fx = sorted(xs)
-        tm.plot(fx, [alpha + (0.0 if beta is None else x / (beta * 1e3)) for x in fx], linestyle="--",
-                linewidth=1, color=line.get_color(), label="_fit")
-        fitted = True
-        if why:
-          poor.append(f"poor fit {label}: {why}")
-    if far:
-      bw.set_yscale("log")
-      bw.set_ylabel("busbw (GB/s, log: peak far above)" + (f"; {EXPECTED_NOTE}" if expected else ""))
-    else:
-      bw.set_ylim(bottom=0)
-      bw.set_ylabel("busbw (GB/s)" + (f"; {EXPECTED_NOTE}" if expected else ""))
-    if poor:  # wrapped to the panel: constrained layout squeezed the axes to nothing beside one long line
-      note = "\n".join(textwrap.fill(p, NOTE_CHARS, subsequent_indent="  ") for p in poor)
-      tm.text(0.02, 0.98, note, transform=tm.transAxes, fontsize=7, va="top", color="red", in_layout=False)
-    bw.set_title(title, fontsize=10)
-    tm.set_ylabel("time (us)")
-    tm.set_yscale("log")
-    tm.set_xlabel("message size S (bytes)" + (f"; {FIT_NOTE}" if fitted else ""))
-    for ax in (bw, tm):
-      _size_axis(ax)
-    if lines:
-      bw.legend(fontsize=7, loc="best")
+      f, e, fit, why = _draw_series(bw, tm, label, recs, peak, (models or {}).get((title, label)),
+                                    (colours or {}).get(label), top)
+      far, expected, fitted = far or f, expected or e, fitted or fit
+      if why:
+        poor.append(why)
+    _label_panel(bw, tm, title, far, expected, fitted, poor, bool(lines))
   return fig
 
 
