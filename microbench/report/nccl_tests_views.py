@@ -39,6 +39,65 @@ def _series(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[dict[s
   return out
 
 
+def _draw_nccl_tests(bw, series: dict[str, list[dict[str, Any]]]) -> None:
+  """nccl-tests' busbw in grey, once per dtype and group size (several scopes of a sweep can match the same
+  rows): out-of-place dashed, in-place dotted."""
+  theirs: dict[str, dict[int, dict[str, Any]]] = {}
+  for pts in series.values():
+    for p in pts:
+      theirs.setdefault(f"{p['dtype']} (n={p['n']})", {}).setdefault(p["bytes"], p)
+  for label, by_size in theirs.items():
+    pts = [by_size[b] for b in sorted(by_size)]
+    xs = [p["bytes"] for p in pts]
+    bw.plot(xs, [p["nccl_busbw_gbps"] for p in pts], linestyle="--", marker="s", markersize=3, color="grey",
+            label=f"nccl-tests {label}")
+    inplace = [p for p in pts if p.get("nccl_inplace_busbw_gbps")]
+    if inplace:
+      bw.plot([p["bytes"] for p in inplace], [p["nccl_inplace_busbw_gbps"] for p in inplace], linestyle=":",
+              color="grey", label="_in-place")
+
+
+def _draw_jax(bw, ratio, series: dict[str, list[dict[str, Any]]]) -> None:
+  """JAX's busbw per series, and its ratio to nccl-tests below in the same colour: intervals as bars, points
+  beyond the noise ringed red."""
+  for label, pts in series.items():
+    xs = [p["bytes"] for p in pts]
+    (line,) = bw.plot(xs, [p["jax_busbw_gbps"] for p in pts], marker="o", markersize=3, label=f"JAX {label}")
+    color = line.get_color()
+    ratio.plot(xs, [p["ratio"] for p in pts], marker="o", markersize=3, color=color, label=label)
+    with_ci = [p for p in pts if p["lo"] is not None]
+    if with_ci:
+      ratio.errorbar([p["bytes"] for p in with_ci], [p["ratio"] for p in with_ci],
+                     yerr=[[max(0.0, p["ratio"] - p["lo"]) for p in with_ci],
+                           [max(0.0, p["hi"] - p["ratio"]) for p in with_ci]],
+                     fmt="none", ecolor=color, capsize=2, linewidth=0.8, label="_interval")
+    changed = [p for p in pts if p["verdict"] in ("JAX slower", "JAX faster")]
+    if changed:
+      ratio.plot([p["bytes"] for p in changed], [p["ratio"] for p in changed], linestyle="none", marker="o",
+                 markersize=9, markerfacecolor="none", markeredgecolor="red", label="_changed")
+
+
+def _label_column(bw, ratio, coll: str) -> None:
+  """A collective's column: titles, labels, legends, the ratio's log axis around 1 and the size axes."""
+  bw.set_title(coll, fontsize=10)
+  bw.set_ylabel("busbw (GB/s)")
+  bw.set_ylim(bottom=0)
+  bw.legend(fontsize=7)
+  ratio.axhline(1.0, color="black", linewidth=0.8)
+  ratio.set_yscale("log")  # 2x slower and 2x faster the same distance from 1
+  ratio.yaxis.set_major_formatter(plots.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+  ratio.yaxis.set_minor_formatter(plots.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+  ratio.set_ylabel("busbw JAX / nccl-tests")
+  ratio.legend(fontsize=7)
+  ratio.set_xlabel("message size S (bytes)")
+  for ax in (bw, ratio):
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(plots.ticker.LogLocator(base=2, numticks=8))
+    ax.xaxis.set_major_formatter(plots.ticker.FuncFormatter(lambda x, _: tables.size_text(x)))
+    ax.xaxis.set_minor_locator(plots.ticker.NullLocator())
+    ax.grid(True, which="major", alpha=0.3)
+
+
 def figure(points: Sequence[dict[str, Any]]) -> plots.Figure:
   """One column per collective: busbw against size (JAX solid, one colour per scope/dtype/group size; nccl-tests
   grey, dashed, its in-place dotted), and below it JAX / nccl-tests with each point's interval as a bar, points
@@ -53,52 +112,9 @@ def figure(points: Sequence[dict[str, Any]]) -> plots.Figure:
                f"{'; '.join(noise) or 'no samples'}; ringed red: beyond the noise", fontsize=9)
   for j, (coll, series) in enumerate(sorted(by_coll.items())):
     bw, ratio = axes[0][j], axes[1][j]
-    # nccl-tests once per dtype and group size (several scopes of a sweep can match the same rows), in grey.
-    theirs: dict[str, dict[int, dict[str, Any]]] = {}
-    for pts in series.values():
-      for p in pts:
-        theirs.setdefault(f"{p['dtype']} (n={p['n']})", {}).setdefault(p["bytes"], p)
-    for label, by_size in theirs.items():
-      pts = [by_size[b] for b in sorted(by_size)]
-      xs = [p["bytes"] for p in pts]
-      bw.plot(xs, [p["nccl_busbw_gbps"] for p in pts], linestyle="--", marker="s", markersize=3, color="grey",
-              label=f"nccl-tests {label}")
-      inplace = [p for p in pts if p.get("nccl_inplace_busbw_gbps")]
-      if inplace:
-        bw.plot([p["bytes"] for p in inplace], [p["nccl_inplace_busbw_gbps"] for p in inplace], linestyle=":",
-                color="grey", label="_in-place")
-    for label, pts in series.items():
-      xs = [p["bytes"] for p in pts]
-      (line,) = bw.plot(xs, [p["jax_busbw_gbps"] for p in pts], marker="o", markersize=3, label=f"JAX {label}")
-      color = line.get_color()
-      ratio.plot(xs, [p["ratio"] for p in pts], marker="o", markersize=3, color=color, label=label)
-      with_ci = [p for p in pts if p["lo"] is not None]
-      if with_ci:
-        ratio.errorbar([p["bytes"] for p in with_ci], [p["ratio"] for p in with_ci],
-                       yerr=[[max(0.0, p["ratio"] - p["lo"]) for p in with_ci],
-                             [max(0.0, p["hi"] - p["ratio"]) for p in with_ci]],
-                       fmt="none", ecolor=color, capsize=2, linewidth=0.8, label="_interval")
-      changed = [p for p in pts if p["verdict"] in ("JAX slower", "JAX faster")]
-      if changed:
-        ratio.plot([p["bytes"] for p in changed], [p["ratio"] for p in changed], linestyle="none", marker="o",
-                   markersize=9, markerfacecolor="none", markeredgecolor="red", label="_changed")
-    bw.set_title(coll, fontsize=10)
-    bw.set_ylabel("busbw (GB/s)")
-    bw.set_ylim(bottom=0)
-    bw.legend(fontsize=7)
-    ratio.axhline(1.0, color="black", linewidth=0.8)
-    ratio.set_yscale("log")  # 2x slower and 2x faster the same distance from 1
-    ratio.yaxis.set_major_formatter(plots.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-    ratio.yaxis.set_minor_formatter(plots.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
-    ratio.set_ylabel("busbw JAX / nccl-tests")
-    ratio.legend(fontsize=7)
-    ratio.set_xlabel("message size S (bytes)")
-    for ax in (bw, ratio):
-      ax.set_xscale("log", base=2)
-      ax.xaxis.set_major_locator(plots.ticker.LogLocator(base=2, numticks=8))
-      ax.xaxis.set_major_formatter(plots.ticker.FuncFormatter(lambda x, _: tables.size_text(x)))
-      ax.xaxis.set_minor_locator(plots.ticker.NullLocator())
-      ax.grid(True, which="major", alpha=0.3)
+    _draw_nccl_tests(bw, series)
+    _draw_jax(bw, ratio, series)
+    _label_column(bw, ratio, coll)
   if not by_coll:
     axes[0][0].text(0.5, 0.5, "no point matches a nccl-tests row", ha="center", transform=axes[0][0].transAxes)
   return fig
