@@ -150,6 +150,19 @@ def _read_line(body: str, proc: str, facts: dict[str, Any], pending: dict[str, l
   if "Bytes -> Algo" in body and (m := _TUNING.match(body)):  # one per call: most of a long run's lines
     _choice(m, proc, facts, pending)
     return
+  if not (_read_setup(body, facts) or _read_topology(body, facts)):
+    if m := _OPCOUNT.match(body):  # 2.21/2.22 tuning lines name no collective: these lines (COLL) can
+      coll, count, dtype, nranks = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
+      size = count * (TYPE_BYTES[dtype] if dtype < len(TYPE_BYTES) else 0) * (nranks if coll in PER_RANK else 1)
+      pending.setdefault(proc, []).append((coll, size))
+      del pending[proc][:-64]  # every rank's calls: a window of recent ones, not the whole log
+    elif kind := next((k for k, head in _HEADS.items() if head.search(body)), None):
+      _problem(facts, where, f"{kind} line cut short, not read: {body[:60]!r}")
+  _read_flags(body, facts)
+
+
+def _read_setup(body: str, facts: dict[str, Any]) -> bool:
+  """A line naming NCCL's version, network, NICs, plugins or tuner; False where the line is none of these."""
   if m := _VERSION.match(body):
     facts["versions"].add(m.group(1))
   elif m := _USING_NET.match(body):
@@ -166,7 +179,14 @@ def _read_line(body: str, proc: str, facts: dict[str, Any], pending: dict[str, l
       facts["net_devices"].add(f"{m.group(1)} x{nics.group(1)}")
   elif m := _TUNER.match(body):
     facts["tuner"].add(m.group(1))
-  elif m := _RING.match(body):
+  else:
+    return False
+  return True
+
+
+def _read_topology(body: str, facts: dict[str, Any]) -> bool:
+  """A line on channels, transports, NVLS, communicators or an NCCL_ variable; False where it is none."""
+  if m := _RING.match(body):
     facts["channels"] = max(facts["channels"], int(m.group(2) or int(m.group(1)) + 1))
   elif m := _CONNECTION.match(body):
     via = m.group(1).strip()
@@ -188,13 +208,13 @@ def _read_line(body: str, proc: str, facts: dict[str, Any], pending: dict[str, l
     facts["communicators"].add((int(m.group(1)), None, None, None))
   elif m := _ENV.match(body):
     facts["env"][m.group(1)] = m.group(2)
-  elif m := _OPCOUNT.match(body):  # 2.21/2.22 tuning lines name no collective: these lines (COLL) can
-    coll, count, dtype, nranks = m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4))
-    size = count * (TYPE_BYTES[dtype] if dtype < len(TYPE_BYTES) else 0) * (nranks if coll in PER_RANK else 1)
-    pending.setdefault(proc, []).append((coll, size))
-    del pending[proc][:-64]  # every rank's calls: a window of recent ones, not the whole log
-  elif kind := next((k for k, head in _HEADS.items() if head.search(body)), None):
-    _problem(facts, where, f"{kind} line cut short, not read: {body[:60]!r}")
+  else:
+    return False
+  return True
+
+
+def _read_flags(body: str, facts: dict[str, Any]) -> None:
+  """What any line can also say: trees, NVLS or CollNet in use, CollNet turned off."""
   if body.startswith(("Trees", "Connected all trees")):
     facts["trees"] = True
   if body.startswith(("Connected NVLS", "NVLS comm ", "NVLS Trees")) or "via NVLS" in body:
