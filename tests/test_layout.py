@@ -31,6 +31,7 @@ LAYER = {
     "microbench.hlo": 4, "microbench.output": 4, "microbench.cluster": 4,
     "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
     "microbench.bench": 6, "microbench.train": 6,
+    "microbench.store": 6,  # the results store: run folders (output, report) indexed; commands record into it
     "microbench.study": 7, "microbench.doctor": 7,
     "microbench.cli": 8, "microbench": 8,  # microbench/__init__ and __main__ (python -m microbench)
 }

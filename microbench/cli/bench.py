@@ -17,7 +17,7 @@ from microbench.meshes import tpu_slice
 from microbench.meshes.scopes import SCOPES
 from microbench.bench import collectives, command_buffer, reduce_ops, run as bench_run, settings as bench_settings
 from microbench.bench.program import DTYPES
-from microbench.cli import absl_app, cluster_flags
+from microbench.cli import absl_app, cluster_flags, store_flags
 from microbench.fabric import link_peaks
 from microbench.output import run_folder
 
@@ -128,6 +128,7 @@ def main(argv: list[str]) -> int:
                              compilation_cache=s.compilation_cache)
   except bench_settings.SettingsError as e:
     raise app.UsageError(str(e)) from None
+  store_flags.record(outdir)
   if code == bench_run.JOB_FAILED:
     # A peer is gone: skip jax.distributed's shutdown barrier, which would only wait for it and abort.
     sys.stdout.flush()
@@ -149,4 +150,4 @@ def _load_resumed_flags(outdir: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  absl_app.run(main, "microbench", [__name__, cluster_flags.__name__])
+  absl_app.run(main, "microbench", [__name__, cluster_flags.__name__, store_flags.__name__])

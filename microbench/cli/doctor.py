@@ -11,11 +11,12 @@ Exit status: 0 healthy, 1 a bad part named, 3 something slow that could not be p
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 from absl import app, flags
 
-from microbench.cli import absl_app, cluster_flags
+from microbench.cli import absl_app, cluster_flags, store_flags
 from microbench.bench import sizes
 from microbench.doctor import diagnose, pair_rounds, survey, verdict
 from microbench.fabric import description as fd
@@ -111,6 +112,7 @@ def _simulate(settings: survey.Settings) -> int:
     except OSError as e:
       raise app.UsageError(f"cannot write --out={FLAGS.out}: {e.strerror}") from None
   print(verdict.table(doc), end="")
+  store_flags.record(FLAGS.out)
   return verdict.exit_status(outcome)
 
 
@@ -137,11 +139,13 @@ def main(argv: list[str]) -> int:
                    reps=FLAGS.reps), FLAGS.fabric, FLAGS.nodes_per_rack, out_dir, say)
   except job.JobError as e:
     raise app.UsageError(str(e)) from None
+  finally:
+    store_flags.record(out_dir if os.path.exists(os.path.join(out_dir, "doctor.json")) else None)
 
 
 def run() -> None:
   """Console-script entry point."""
-  absl_app.run(main, NAME, [__name__, cluster_flags.__name__])
+  absl_app.run(main, NAME, [__name__, cluster_flags.__name__, store_flags.__name__])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import sys
 from absl import app, flags
 
 from microbench.bench import sizes
-from microbench.cli import absl_app
+from microbench.cli import absl_app, store_flags
 
 FLAGS = flags.FLAGS
 
@@ -38,6 +38,26 @@ flags.DEFINE_bool("ranks", False, "Every rank of one sweep (RUN_DIR): a heat map
                   " OUT/ranks.md and OUT/ranks.png. Host timers: per GPU only with one GPU per process.")
 flags.DEFINE_list("fabric_collectives", ["all_reduce"], "With --fabric: collectives to predict.")
 flags.DEFINE_string("algorithm", "auto", "With --fabric: auto, ring, tree, hierarchical or nvls.")
+# The results store (docs/results-store.md); --store comes from cli/store_flags.
+flags.DEFINE_bool("index", False, "Index the run folders given (or found below them) into the results store;"
+                  " idempotent, a malformed run is one line and the rest indexed.")
+flags.DEFINE_string("baseline", None, "Name the runs given (one machine's) as baseline NAME in the store.")
+flags.DEFINE_string("against", None, "Judge RUN against a baseline NAME, previous (its machine's last run of the"
+                    " same kind) or another RUN: per point, beyond noise and --tolerance; exit 1 on a regression.")
+flags.DEFINE_float("tolerance", 0.05, "A change smaller than this (0.05 = 5%) is not a regression or a change point,"
+                   " even beyond noise.", lower_bound=0.0)
+flags.DEFINE_bool("history", False, "busbw over time for one machine (--machine) from the store, with change points:"
+                  " OUT/history.png and TensorBoard scalars.")
+flags.DEFINE_string("since", None, "With --history or --fleet: runs finished at or after this ISO date/time.")
+flags.DEFINE_string("machine", None, "With --history: the machine's id (or a prefix) in the store.")
+flags.DEFINE_string("rules", None, "A TOML rules file judged on RUN (docs/results-store.md); exit 1 on a failed"
+                    " rule, one line with FILE:LINE for a bad file.")
+flags.DEFINE_bool("fleet", False, "Per node from the store's doctor runs: runs, times named, last named, last healthy.")
+flags.DEFINE_string("prometheus", None, "Write the store's latest figures and verdicts as Prometheus text to this file"
+                    " (node_exporter's textfile collector), atomically.")
+flags.DEFINE_string("node", None, "With --prometheus: this node's series only.")
+flags.DEFINE_bool("drain", False, "Run the scontrol drain line printed for each node the judged doctor run named.")
+STORE_MODES = ("index", "baseline", "history", "fleet", "judge")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
 
 
@@ -95,8 +115,23 @@ def _fabric_predictions(paths: list[str], predict: list[int]) -> int:
   return 0
 
 
+def _store_mode() -> str | None:
+  """The store mode the flags ask for (one at a time), or None."""
+  asked = [m for m, on in (("index", FLAGS.index), ("baseline", FLAGS.baseline), ("history", FLAGS.history),
+                           ("judge", FLAGS.against or FLAGS.rules)) if on]
+  if len(asked) > 1:
+    raise app.UsageError(f"--{' and --'.join(asked)}: one store mode at a time")
+  if asked:
+    return asked[0]
+  return "fleet" if FLAGS.fleet or FLAGS.prometheus else None
+
+
 def main(argv: list[str]) -> int:
   paths = argv[1:]
+  mode = _store_mode()
+  if mode:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"microbench.cli.report_modes.{mode}").main(paths)
   if FLAGS.fabric:
     return _fabric_predictions(paths, _sizes(FLAGS.predict))
   if FLAGS.ranks:
@@ -191,7 +226,17 @@ def _read_nccl_tests() -> list:
     for line in errors:
       print(f"microbench-report: {line}", file=sys.stderr)
     theirs += got
+    _record_nccl_tests(path if eq else name, got, errors)
   return theirs
+
+
+def _record_nccl_tests(path: str, records: list, notes: list[str]) -> None:
+  """An imported nccl-tests output is a run of its own in the results store."""
+  if not records:
+    return
+  from microbench.store import folders, index  # pylint: disable=g-import-not-at-top
+  index.record(FLAGS.store, path, say=lambda line: print(f"microbench-report: {line.lstrip('# ')}"),
+               entry=folders.nccl_tests_entry(path, records, notes))
 
 
 def _beside_nccl_tests(records: list, theirs: list, out: str) -> None:
@@ -214,7 +259,7 @@ def _beside_nccl_tests(records: list, theirs: list, out: str) -> None:
 
 def run() -> None:
   """Console-script entry point."""
-  absl_app.run(main, "microbench-report", [__name__])
+  absl_app.run(main, "microbench-report", [__name__, store_flags.__name__])
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ NAME = "microbench-study"
 MODES = ("plan", "predict", "place", "run", "report", "proxy", "schedule", "gpcnet")
 PACKAGE = "microbench.cli.study_modes"
 # Where a mode's flags may come from besides its own module: absl's --help lists the key flags of these.
-SHARED_FLAG_MODULES = (f"{PACKAGE}.common", "microbench.cli.cluster_flags")
+SHARED_FLAG_MODULES = (f"{PACKAGE}.common", "microbench.cli.cluster_flags", "microbench.cli.store_flags")
 HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -3,11 +3,14 @@ work is in microbench.train, the presets in microbench.study.presets)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 from absl import app, flags
 
-from microbench.cli import absl_app, cluster_flags
+from microbench.cli import absl_app, cluster_flags, store_flags
+from microbench.output.train_log import METRICS_FILE
 from microbench.cluster import distributed
 from microbench.study import presets
 from microbench.models import FAMILIES
@@ -91,6 +94,7 @@ def main(argv: list[str]) -> None:
   from microbench import train  # pylint: disable=g-import-not-at-top
   from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
   from microbench.train.config import TARGET_ERRORS  # pylint: disable=g-import-not-at-top
+  from microbench.train.loop import default_run_dir  # pylint: disable=g-import-not-at-top
 
   cfg = train.TrainConfig(
       model=FLAGS.model, size=FLAGS.size, layers=FLAGS.layers, parallelism=FLAGS.parallelism,
@@ -115,14 +119,17 @@ def main(argv: list[str]) -> None:
     if FLAGS.preset is not None:
       cfg = _with_preset(cfg)
       train.check_request(cfg)
+    cfg = dataclasses.replace(cfg, outdir=cfg.outdir or default_run_dir(cfg))
     train.run(cfg)
   except (train.ConfigError, presets.PresetError, machine.TopologyError, *TARGET_ERRORS) as e:
     raise app.UsageError(str(e)) from None
+  finally:
+    if cfg.outdir and os.path.exists(os.path.join(cfg.outdir, METRICS_FILE)):
+      store_flags.record(cfg.outdir)  # finished or stopped: what it measured is kept
 
 
 def _with_preset(cfg):
   """The request with the preset's fields for the devices present (flags given explicitly kept)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
 
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -143,7 +150,7 @@ def _with_preset(cfg):
 
 def run() -> None:
   """Console-script entry point."""
-  absl_app.run(main, "microbench-train", ["microbench.train", cluster_flags.__name__])
+  absl_app.run(main, "microbench-train", ["microbench.train", cluster_flags.__name__, store_flags.__name__])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from absl import app, flags
 
+from microbench.cli import store_flags
 from microbench.cli.study_modes import common
 from microbench.study import run_plan
 
@@ -60,6 +61,7 @@ def main(argv: list[str]) -> int:
     raise app.UsageError(str(e)) from None
   rc, records = common.on_backend(machine, lambda backend: run_plan.run(s, backend, machine, experiments, say=say),
                                   f"; `run --resume --out={FLAGS.out} --plan={FLAGS.plan}` continues")
+  store_flags.record(FLAGS.out)  # finished or stopped: the units done so far are kept
   if rc:
     return rc
   failed = [r["unit"] for r in records if r["status"] != "done"]
