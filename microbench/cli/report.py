@@ -55,7 +55,8 @@ flags.DEFINE_string("rules", None, "A TOML rules file judged on RUN (docs/result
 flags.DEFINE_bool("fleet", False, "Per node from the store's doctor runs: runs, times named, last named, last healthy.")
 flags.DEFINE_string("prometheus", None, "Write the store's latest figures and verdicts as Prometheus text to this file"
                     " (node_exporter's textfile collector), atomically.")
-flags.DEFINE_string("node", None, "With --prometheus: this node's series only.")
+flags.DEFINE_string("node", None, "With --prometheus: this node's series only. With --fleet: this node's latest"
+                    " verdict, exit 1 when the doctor named it (a SLURM health check).")
 flags.DEFINE_bool("drain", False, "Run the scontrol drain line printed for each node the judged doctor run named.")
 STORE_MODES = ("index", "baseline", "history", "fleet", "judge")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
