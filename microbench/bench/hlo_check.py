@@ -190,25 +190,23 @@ def verify_groups(hlo_text: str, op: str, groups: np.ndarray, ordered: bool = Fa
   return matches
 
 
-def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Verified:
-  """Checks every property in the module docstring; raises HloMismatch naming the first one that fails."""
-  if exp.slice_devices:
-    chips = exp.slice_devices
-    within = all(len({int(v) // chips for v in g}) == 1 for g in exp.groups)
-    if not within:
-      return verify_dcn(hlo_text, exp)
-    local = np.asarray([g for g in exp.groups if int(g[0]) < chips])
-    return verify(hlo_text, dataclasses.replace(exp, groups=local, slice_devices=None), want)
-  if exp.rewrites:
-    ops = {c.op for c in find_collectives(hlo_text)}
-    for op, elements in exp.rewrites if exp.op not in ops else ():
-      if op in ops:
-        # the zero-padded buffer an all-gather is summed in, and the slice a reduce-scatter keeps, are the form's
-        # own writes: as for writes_are_the_op, only copies of the message fail
-        v = verify(hlo_text, dataclasses.replace(exp, op=op, elements=elements, ordered=False, rewrites=(),
-                                                 writes_are_the_op=True))
-        return dataclasses.replace(v, written_as=f"{exp.op} as {op}")
-  matches = verify_groups(hlo_text, exp.op, exp.groups, exp.ordered, want)
+def _as_rewrite(hlo_text: str, exp: Expectation) -> Verified | None:
+  """Where the program lacks `exp.op` but has one of the forms XLA rewrites it to, that form verified in its
+  place; None where no rewrite applies."""
+  ops = {c.op for c in find_collectives(hlo_text)}
+  for op, elements in exp.rewrites if exp.op not in ops else ():
+    if op in ops:
+      # the zero-padded buffer an all-gather is summed in, and the slice a reduce-scatter keeps, are the form's
+      # own writes: as for writes_are_the_op, only copies of the message fail
+      v = verify(hlo_text, dataclasses.replace(exp, op=op, elements=elements, ordered=False, rewrites=(),
+                                               writes_are_the_op=True))
+      return dataclasses.replace(v, written_as=f"{exp.op} as {op}")
+  return None
+
+
+def _wire_types(hlo_text: str, exp: Expectation, matches: list[HloCollective]) -> tuple[set[str], bool]:
+  """The element types the matches move (the asked one, or a wider one where allowed) and whether XLA:TPU
+  packed 8-bit data into u32 words; raises where a type or an element count is not the asked one."""
   asked = HLO_TYPE[exp.dtype]
   wire, packed = set(), False
   for c in matches:
@@ -223,7 +221,13 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
       raise HloMismatch(f"{exp.op} moves {c.elements} elements per device, expected {exp.elements}: {c.text[:200]}")
   if len(wire) > 1:
     raise HloMismatch(f"{exp.op} runs in several types {sorted(wire)}")
-  comps, counts, in_loops = _loops(hlo_text)
+  return wire, packed
+
+
+def _executions(exp: Expectation, matches: list[HloCollective], counts: dict[str, int | None],
+                in_loops: dict[str, WhileTrip], want: frozenset | None) -> tuple[int, int, list[int | None]]:
+  """How often the op runs per call, how often inside a loop with a known trip count, and those loops' trip
+  counts; raises where a count is unknown or not the expected one."""
   # A decomposed permute's pieces are parts of one operation: each piece counts 1/k of an execution.
   pieces = sum(len(c.groups) for c in matches) // max(1, len(want if want is not None else
                                                           expected_groups(exp.op, exp.groups, exp.ordered)))
@@ -244,6 +248,25 @@ def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Ve
     raise HloMismatch(f"{exp.op} runs {total} times per call, expected {exp.executions}")
   if exp.in_loop and (inside == 0 or total - inside > exp.outside_max):
     raise HloMismatch(f"{exp.op} runs {total - inside} of its {total} times outside a loop with a known trip count")
+  return total, inside, trips
+
+
+def verify(hlo_text: str, exp: Expectation, want: frozenset | None = None) -> Verified:
+  """Checks every property in the module docstring; raises HloMismatch naming the first one that fails."""
+  if exp.slice_devices:
+    chips = exp.slice_devices
+    within = all(len({int(v) // chips for v in g}) == 1 for g in exp.groups)
+    if not within:
+      return verify_dcn(hlo_text, exp)
+    local = np.asarray([g for g in exp.groups if int(g[0]) < chips])
+    return verify(hlo_text, dataclasses.replace(exp, groups=local, slice_devices=None), want)
+  if exp.rewrites and (rewritten := _as_rewrite(hlo_text, exp)) is not None:
+    return rewritten
+  matches = verify_groups(hlo_text, exp.op, exp.groups, exp.ordered, want)
+  asked = HLO_TYPE[exp.dtype]
+  wire, packed = _wire_types(hlo_text, exp, matches)
+  comps, counts, in_loops = _loops(hlo_text)
+  total, inside, trips = _executions(exp, matches, counts, in_loops, want)
   unaliased = exp.aliased and parse.output_aliases(hlo_text).get(_first_output(hlo_text)) != 0
   if unaliased and not exp.onchip_staging:
     raise HloMismatch("in place asked, but the program's result does not take its input's buffer (no"
