@@ -315,6 +315,75 @@ def _save(plt, fig, out: str, name: str) -> str:
   return path
 
 
+def _violins(plt, out: str, slow: list[tuple[Sample, float]]) -> str | None:
+  """violins.png: the concurrent samples' slowdowns per placement class, a violin per strategy; None (nothing
+  written) without samples."""
+  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
+  classes = [c for c in mm.CLASSES if any(s.key[3] == c for s, _ in slow)]
+  strategies = [st for st in wl.STRATEGIES if any(s.key[0] == st for s, _ in slow)]
+  if not classes:
+    return None
+  fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(classes)), 4.5))
+  width = 0.8 / max(1, len(strategies))
+  colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for i, st in enumerate(strategies):
+    data, pos = [], []
+    for c, cls in enumerate(classes):
+      vals = [v for s, v in slow if s.key[0] == st and s.key[3] == cls]
+      if vals:
+        data.append(vals)
+        pos.append(c + (i - (len(strategies) - 1) / 2) * width)
+    if not data:
+      continue
+    parts = ax.violinplot(data, positions=pos, widths=width * 0.9, showmedians=True)
+    for body in parts["bodies"]:
+      body.set_facecolor(colors[i % len(colors)])
+      body.set_alpha(0.6)
+    ax.plot([], [], color=colors[i % len(colors)], lw=6, alpha=0.6, label=wl.STRATEGIES[st].title)
+  ax.axhline(0, color="grey", lw=0.8, ls="--")
+  ax.set_xticks(range(len(classes)), classes, rotation=15)
+  ax.set_ylabel("slowdown (sigma - 1) x 100 %")
+  ax.set_title("Concurrent samples against their baseline, by placement class")
+  ax.legend(fontsize=8)
+  return _save(plt, fig, out, "violins.png")
+
+
+def _heatmap(plt, out: str, cells: dict[tuple[str, str], list[JobSlowdown]]) -> str:
+  """heatmap.png: the median over jobs of each job's median slowdown, per placement bin and mix entropy bin."""
+  grid = [[cell_median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
+  fig, ax = plt.subplots(figsize=(5.5, 4.5))
+  im = ax.imshow(grid, cmap="viridis", origin="lower")
+  for r, p in enumerate(BINS):
+    for c, h in enumerate(BINS):
+      if cells.get((p, h)):
+        bright = im.norm(grid[r][c]) > 0.5  # dark text on the bright end of viridis
+        ax.text(c, r, f"{grid[r][c]:.1f}%\n{len(cells[(p, h)])} jobs", ha="center", va="center",
+                color="k" if bright else "w", fontsize=8)
+  ax.set_xticks(range(3), BINS)
+  ax.set_yticks(range(3), BINS)
+  ax.set_xlabel("mix entropy bin")
+  ax.set_ylabel("placement (locality score) bin")
+  ax.set_title("Median over jobs of each job's median slowdown (%)")
+  fig.colorbar(im, ax=ax, label="median over jobs, (sigma - 1) x 100 %")
+  return _save(plt, fig, out, "heatmap.png")
+
+
+def _scaling(plt, out: str, scaling: dict[tuple[str, str, str], list[tuple[int, float]]]) -> str:
+  """scaling.png: baseline throughput against GPUs per strategy, model and placement class, ideal dotted."""
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for (st, model, cls), pts in scaling.items():
+    gs, ts = [g for g, _ in pts], [t for _, t in pts]
+    line, = ax.plot(gs, ts, "o-", label=f"{wl.STRATEGIES[st].title if st in wl.STRATEGIES else st} {model} @ {cls}")
+    ax.plot(gs, [ts[0] * g / gs[0] for g in gs], ls=":", color=line.get_color())
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("GPUs")
+  ax.set_ylabel("baseline throughput (samples/s)")
+  ax.set_title("Baseline scaling per placement class (dotted: ideal)")
+  ax.legend(fontsize=8)
+  return _save(plt, fig, out, "scaling.png")
+
+
 def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]],
          cells: dict[tuple[str, str], list[JobSlowdown]], scaling: dict[tuple[str, str, str], list[tuple[int, float]]]
          ) -> list[str]:
@@ -322,65 +391,14 @@ def plot(out: str, keys: dict[tuple, KeyResult], slow: list[tuple[Sample, float]
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  from microbench.study import machines as mm  # pylint: disable=g-import-not-at-top
 
   paths = []
-  classes = [c for c in mm.CLASSES if any(s.key[3] == c for s, _ in slow)]
-  strategies = [st for st in wl.STRATEGIES if any(s.key[0] == st for s, _ in slow)]
-  if classes:
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(classes)), 4.5))
-    width = 0.8 / max(1, len(strategies))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for i, st in enumerate(strategies):
-      data, pos = [], []
-      for c, cls in enumerate(classes):
-        vals = [v for s, v in slow if s.key[0] == st and s.key[3] == cls]
-        if vals:
-          data.append(vals)
-          pos.append(c + (i - (len(strategies) - 1) / 2) * width)
-      if not data:
-        continue
-      parts = ax.violinplot(data, positions=pos, widths=width * 0.9, showmedians=True)
-      for body in parts["bodies"]:
-        body.set_facecolor(colors[i % len(colors)])
-        body.set_alpha(0.6)
-      ax.plot([], [], color=colors[i % len(colors)], lw=6, alpha=0.6, label=wl.STRATEGIES[st].title)
-    ax.axhline(0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(classes)), classes, rotation=15)
-    ax.set_ylabel("slowdown (sigma - 1) x 100 %")
-    ax.set_title("Concurrent samples against their baseline, by placement class")
-    ax.legend(fontsize=8)
-    paths.append(_save(plt, fig, out, "violins.png"))
+  if (violins := _violins(plt, out, slow)) is not None:
+    paths.append(violins)
   if cells:
-    grid = [[cell_median(cells[(p, h)]) if cells.get((p, h)) else math.nan for h in BINS] for p in BINS]
-    fig, ax = plt.subplots(figsize=(5.5, 4.5))
-    im = ax.imshow(grid, cmap="viridis", origin="lower")
-    for r, p in enumerate(BINS):
-      for c, h in enumerate(BINS):
-        if cells.get((p, h)):
-          bright = im.norm(grid[r][c]) > 0.5  # dark text on the bright end of viridis
-          ax.text(c, r, f"{grid[r][c]:.1f}%\n{len(cells[(p, h)])} jobs", ha="center", va="center",
-                  color="k" if bright else "w", fontsize=8)
-    ax.set_xticks(range(3), BINS)
-    ax.set_yticks(range(3), BINS)
-    ax.set_xlabel("mix entropy bin")
-    ax.set_ylabel("placement (locality score) bin")
-    ax.set_title("Median over jobs of each job's median slowdown (%)")
-    fig.colorbar(im, ax=ax, label="median over jobs, (sigma - 1) x 100 %")
-    paths.append(_save(plt, fig, out, "heatmap.png"))
+    paths.append(_heatmap(plt, out, cells))
   if scaling:
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for (st, model, cls), pts in scaling.items():
-      gs, ts = [g for g, _ in pts], [t for _, t in pts]
-      line, = ax.plot(gs, ts, "o-", label=f"{wl.STRATEGIES[st].title if st in wl.STRATEGIES else st} {model} @ {cls}")
-      ax.plot(gs, [ts[0] * g / gs[0] for g in gs], ls=":", color=line.get_color())
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("baseline throughput (samples/s)")
-    ax.set_title("Baseline scaling per placement class (dotted: ideal)")
-    ax.legend(fontsize=8)
-    paths.append(_save(plt, fig, out, "scaling.png"))
+    paths.append(_scaling(plt, out, scaling))
   return paths
 
 
