@@ -41,9 +41,12 @@ metric = "doctor"
 """
 
 
+BED = f"tbf{secrets.token_hex(3)}"  # one name for the fortnight: a cluster's nodes keep their names night to night
+
+
 def _testbed(night: int, command: list[str]) -> subprocess.CompletedProcess:
   fault = [f"--fault={FLAGS.slow_host}:rate=0.25"] if night >= FLAGS.slow_from else []
-  cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--id=tbf{secrets.token_hex(3)}", f"--hosts={FLAGS.hosts}",
+  cmd = [sys.executable, "-m", "microbench.cli.testbed", f"--id={BED}", f"--hosts={FLAGS.hosts}",
          "--racks=2", f"--host_rate={FLAGS.rate}", f"--uplink_rate={FLAGS.rate}", *fault, "--", *command]
   return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, check=False)
 
