@@ -137,6 +137,48 @@ def _local_rows(operand, output, *_):
   return output.at[:n].set(operand[:n])
 
 
+def _ragged_offsets(expert_A, e: int, ep: int, el: int, rows: int, ep_axis):
+  """Every device's rows per expert ([src, E], an all-gather) and the offsets they fix for every pair: where
+  src's rows begin in dst's buffer, how many dst accepts from src, and where dst's rows begin in src's sorted
+  buffer (each [src, dst])."""
+  i32 = jnp.int32
+  counts_E = jnp.zeros((e,), i32).at[expert_A].add(1)
+  counts = jax.lax.all_gather(counts_E, ep_axis) if ep_axis else counts_E[None]  # [src, E]
+  to_dev = counts.reshape(ep, ep, el).sum(-1)  # [src, dst] rows
+  start = jnp.minimum(_exclusive_cumsum(to_dev, 0), rows)  # where src's rows begin in dst's buffer
+  allowed = jnp.clip(rows - _exclusive_cumsum(to_dev, 0), 0, to_dev)  # rows dst accepts from src
+  send_off = _exclusive_cumsum(to_dev, 1)  # where dst's rows begin in src's sorted buffer
+  return counts, start, allowed, send_off
+
+
+def _ragged_kept(expert_A, order, send_off, allowed, me, el: int, k: int, g: int):
+  """Which assignments are sent ([k, G]): the first `allowed` of each destination's run of sorted ones."""
+  a = k * g
+  dst_A = jnp.sort(expert_A) // el
+  keep_sorted = jnp.arange(a) - send_off[me][dst_A] < allowed[me][dst_A]
+  return jnp.zeros((a,), bool).at[order].set(keep_sorted).reshape(k, g)
+
+
+def _ragged_experts(recv, counts, allowed, me, ep: int, el: int, rows: int, w_up, w_gate, w_down):
+  """The received rows (source-major, each source's run sorted by expert) regrouped by local expert, run
+  through the experts with `ragged_dot`, and put back in the order they came in (unused rows zero)."""
+  mine = jax.lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)  # [src, E_l]
+  kept = jnp.clip(allowed[:, me][:, None] - _exclusive_cumsum(mine, 1), 0, mine)  # [src, E_l]
+  bounds = jnp.cumsum(kept.reshape(-1))
+  # Group of each row (ep * E_l for the unused tail): how many group ends it is past.
+  group_r = jnp.sum(jnp.arange(rows)[:, None] >= bounds[None, :], axis=1)
+  expert_r = jnp.where(group_r < ep * el, group_r % el, el)
+  perm = jnp.argsort(expert_r, stable=True)
+  sizes = kept.sum(0)
+  dt = recv.dtype
+  xg = recv[perm]
+  h = jax.lax.ragged_dot(xg, w_up.astype(dt), sizes)
+  gate = jax.lax.ragged_dot(xg, w_gate.astype(dt), sizes)
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * h, w_down.astype(dt), sizes)
+  out = jnp.where((jnp.arange(rows) < sizes.sum())[:, None], out, 0)
+  return jnp.zeros_like(out).at[perm].set(out)
+
+
 def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: bool = True):
   """Ragged dispatch: assignments sorted by expert, each owner sent exactly its rows.
 
@@ -152,22 +194,12 @@ def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: b
   me = jax.lax.axis_index(ep_axis) if ep_axis else 0
   el, a = e // ep, k * g
   rows = ep * a if cfg.capacity_factor <= 0 else max(1, math.ceil(cfg.capacity_factor * a))
-  i32 = jnp.int32
 
   expert_A = idx_kG.reshape(a)  # choice-major: first choices first within each expert
   order = jnp.argsort(expert_A, stable=True)
   x_sorted = x_GD[jnp.tile(jnp.arange(g), k)[order]]
-  counts_E = jnp.zeros((e,), i32).at[expert_A].add(1)
-  counts = jax.lax.all_gather(counts_E, ep_axis) if ep_axis else counts_E[None]  # [src, E]
-  to_dev = counts.reshape(ep, ep, el).sum(-1)  # [src, dst] rows
-  start = jnp.minimum(_exclusive_cumsum(to_dev, 0), rows)  # where src's rows begin in dst's buffer
-  allowed = jnp.clip(rows - _exclusive_cumsum(to_dev, 0), 0, to_dev)  # rows dst accepts from src
-  send_off = _exclusive_cumsum(to_dev, 1)  # where dst's rows begin in src's sorted buffer
-
-  # Which sorted assignments are sent: the first `allowed` of each destination's run.
-  dst_A = jnp.sort(expert_A) // el
-  keep_sorted = jnp.arange(a) - send_off[me][dst_A] < allowed[me][dst_A]
-  keep_kG = jnp.zeros((a,), bool).at[order].set(keep_sorted).reshape(k, g)
+  counts, start, allowed, send_off = _ragged_offsets(expert_A, e, ep, el, rows, ep_axis)
+  keep_kG = _ragged_kept(expert_A, order, send_off, allowed, me, el, k, g)
 
   if ep_axis:
     # output_offsets: where each of this device's slices lands in its receiver's buffer.
@@ -177,23 +209,8 @@ def _ragged(x_GD, idx_kG, cfg: MoeConfig, ep_axis, w_up, w_gate, w_down, move: b
   else:
     recv = jnp.zeros((rows, d), x_GD.dtype).at[:a].set(x_sorted[:rows]) if rows >= a else x_sorted[:rows]
 
-  # Regroup the received rows (source-major, each source's run sorted by expert) by local expert.
-  mine = jax.lax.dynamic_slice_in_dim(counts, me * el, el, axis=1)  # [src, E_l]
-  kept = jnp.clip(allowed[:, me][:, None] - _exclusive_cumsum(mine, 1), 0, mine)  # [src, E_l]
-  bounds = jnp.cumsum(kept.reshape(-1))
-  # Group of each row (ep * E_l for the unused tail): how many group ends it is past.
-  group_r = jnp.sum(jnp.arange(rows)[:, None] >= bounds[None, :], axis=1)
-  expert_r = jnp.where(group_r < ep * el, group_r % el, el)
-  perm = jnp.argsort(expert_r, stable=True)
-  sizes = kept.sum(0)
+  out = _ragged_experts(recv, counts, allowed, me, ep, el, rows, w_up, w_gate, w_down)
   dt = recv.dtype
-  xg = recv[perm]
-  h = jax.lax.ragged_dot(xg, w_up.astype(dt), sizes)
-  gate = jax.lax.ragged_dot(xg, w_gate.astype(dt), sizes)
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * h, w_down.astype(dt), sizes)
-  out = jnp.where((jnp.arange(rows) < sizes.sum())[:, None], out, 0)
-  out = jnp.zeros_like(out).at[perm].set(out)
-
   if ep_axis:
     back = checkpoint_name(send(out, jnp.zeros((a, d), dt), start[:, me], allowed[:, me], send_off[:, me],
                                 allowed[me], ep_axis), EXCHANGED)
