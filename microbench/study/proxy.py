@@ -196,6 +196,57 @@ def summary(job: sch.JobSchedule, element_bytes: int) -> dict:
           "compute_s_max": max((sch.compute_seconds(job, r) for r in range(job.gpus)), default=0.0)}
 
 
+def _compute_stand_in(compute: str, device: jax.Device) -> tuple[Callable[[float], None], BusyKernel | None]:
+  """What stands for a step's compute: a kernel keeping `device` busy ("busy", returned twice: the kernel says
+  its seconds per iteration), or a sleep ("sleep")."""
+  if compute == "busy":
+    kernel = BusyKernel(device)
+    return kernel, kernel
+  if compute == "sleep":
+    return (lambda s: time.sleep(s) if s > 0 else None), None
+  raise ProxyError(f"--compute={compute}: choose sleep or busy")
+
+
+def _header(job: sch.JobSchedule, *, iters: int, warmup: int, compute: str, dtype: str, label: str,
+            devices: list[jax.Device], programs: int, compile_s: float, labels: list[str],
+            full: sch.JobSchedule | None, kernel: BusyKernel | None) -> dict:
+  """The header record: the schedule, the run's settings, the devices, the compile time and what the
+  schedule moves (scaled, and at full scale where `full` is given)."""
+  header = {"kind": "proxy", "label": label, "schedule": job.name, "gpus": job.gpus, "meta": job.meta,
+            "samples_per_iteration": job.samples_per_iteration, "iters": iters, "warmup": warmup,
+            "compute": compute, "dtype": dtype, "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind, "programs_rank0": programs, "compile_s_rank0": compile_s,
+            "scaled": summary(job, np.dtype(DTYPES[dtype]).itemsize), "labels": labels, "pid": os.getpid()}
+  if full is not None:
+    header["full"] = summary(full, wl.BF16_BYTES)  # the study's full-scale messages are bf16
+  if kernel is not None:
+    header["busy_seconds_per_iter"] = kernel.seconds_per_iter
+  return header
+
+
+def _iteration_record(job: sch.JobSchedule, it: int, warmup: int, wall: float, table: np.ndarray,
+                      labels: list[str]) -> dict:
+  """One iteration's record from every rank's [runtime, exposed, compute, exposed per label]: the slowest
+  rank sets the iteration's time."""
+  runtime, exposed, computed = table[:, 0], table[:, 1], table[:, 2]
+  slow = int(np.argmax(runtime))
+  shares = exposed / np.maximum(runtime, 1e-12)
+  return {"kind": "iter", "iter": it, "warmup": it < warmup, "t_start": wall,
+          "runtime_s": float(runtime[slow]), "slowest_rank": slow,
+          "throughput": job.samples_per_iteration / float(runtime[slow]),
+          "exposed_s": float(exposed[slow]), "comm_share": float(shares.max()),
+          "ranks": {"runtime_s": runtime.round(7).tolist(), "exposed_s": exposed.round(7).tolist(),
+                    "compute_s": computed.round(7).tolist()},
+          "exposed_by_label_slowest": {k: float(table[slow, 3 + i]) for i, k in enumerate(labels)}}
+
+
+def _write_line(writer: IO[str] | None, record: dict) -> None:
+  """One JSON line, flushed at once (a job may be killed between iterations)."""
+  if writer:
+    writer.write(json.dumps(record) + "\n")
+    writer.flush()
+
+
 def run(job: sch.JobSchedule, *, iters: int, warmup: int, out: IO[str] | None, compute: str = "sleep",
         dtype: str = "bfloat16", label: str = "", full: sch.JobSchedule | None = None,
         say: Callable[[str], None] = print) -> list[dict]:
@@ -204,32 +255,16 @@ def run(job: sch.JobSchedule, *, iters: int, warmup: int, out: IO[str] | None, c
   sch.check_consistent(job)
   devices = _devices_by_rank(job.gpus)
   rank = jax.process_index()
-  element_bytes = np.dtype(DTYPES[dtype]).itemsize
   comms = Communicators(devices, DTYPES[dtype])
   t = time.perf_counter()
   programs = bind(job.ranks[rank], comms)
   compile_s = time.perf_counter() - t
-  if compute == "busy":
-    kernel = BusyKernel(devices[rank])
-    emulate: Callable[[float], None] = kernel
-  elif compute == "sleep":
-    emulate = lambda s: time.sleep(s) if s > 0 else None  # noqa: E731
-  else:
-    raise ProxyError(f"--compute={compute}: choose sleep or busy")
+  emulate, kernel = _compute_stand_in(compute, devices[rank])
   labels = _labels(job)
   writer = out if rank == 0 else None
-  header = {"kind": "proxy", "label": label, "schedule": job.name, "gpus": job.gpus, "meta": job.meta,
-            "samples_per_iteration": job.samples_per_iteration, "iters": iters, "warmup": warmup,
-            "compute": compute, "dtype": dtype, "platform": devices[0].platform,
-            "device_kind": devices[0].device_kind, "programs_rank0": len(comms), "compile_s_rank0": compile_s,
-            "scaled": summary(job, element_bytes), "labels": labels, "pid": os.getpid()}
-  if full is not None:
-    header["full"] = summary(full, wl.BF16_BYTES)  # the study's full-scale messages are bf16
-  if compute == "busy":
-    header["busy_seconds_per_iter"] = kernel.seconds_per_iter
-  if writer:
-    writer.write(json.dumps(header) + "\n")
-    writer.flush()
+  _write_line(writer, _header(job, iters=iters, warmup=warmup, compute=compute, dtype=dtype, label=label,
+                              devices=devices, programs=len(comms), compile_s=compile_s, labels=labels, full=full,
+                              kernel=kernel))
   records = []
   _gather(np.zeros(1, np.float32))  # everyone compiled: start together
   for it in range(warmup + iters):
@@ -237,21 +272,8 @@ def run(job: sch.JobSchedule, *, iters: int, warmup: int, out: IO[str] | None, c
     times = run_iteration(job.ranks[rank], programs, emulate)
     vec = np.array([times.runtime, times.exposed, times.compute] + [times.by_label.get(k, 0.0) for k in labels],
                    np.float32)
-    table = _gather(vec)
-    runtime, exposed, computed = table[:, 0], table[:, 1], table[:, 2]
-    slow = int(np.argmax(runtime))
-    shares = exposed / np.maximum(runtime, 1e-12)
-    rec = {"kind": "iter", "iter": it, "warmup": it < warmup, "t_start": wall,
-           "runtime_s": float(runtime[slow]), "slowest_rank": slow,
-           "throughput": job.samples_per_iteration / float(runtime[slow]),
-           "exposed_s": float(exposed[slow]), "comm_share": float(shares.max()),
-           "ranks": {"runtime_s": runtime.round(7).tolist(), "exposed_s": exposed.round(7).tolist(),
-                     "compute_s": computed.round(7).tolist()},
-           "exposed_by_label_slowest": {k: float(table[slow, 3 + i]) for i, k in enumerate(labels)}}
-    records.append(rec)
-    if writer:
-      writer.write(json.dumps(rec) + "\n")
-      writer.flush()
+    records.append(_iteration_record(job, it, warmup, wall, _gather(vec), labels))
+    _write_line(writer, records[-1])
   if rank == 0 and iters:
     timed = [r["runtime_s"] for r in records if not r["warmup"]]
     say(f"{job.name}: {job.gpus} rank(s), median iteration {statistics.median(timed) * 1e3:.2f} ms, "
