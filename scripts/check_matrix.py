@@ -32,7 +32,7 @@ def _worker(payload: str) -> None:
     case = matrix.Case(**raw)
     outcomes = [matrix.run_case(case)]
     if job["mutants"]:
-      outcomes += matrix.run_mutants(case)
+      outcomes += matrix.run_mutants(case, limit=job.get("max_mutants"))
     for o in outcomes:
       print(json.dumps(o.as_dict()), flush=True)
 
@@ -65,6 +65,8 @@ def main() -> int:
   p.add_argument("--tpu", type=int, default=24, help="cases per TPU kind")
   p.add_argument("--cpu_devices", default="8,32,72,128", help="device counts of the CPU workers")
   p.add_argument("--no_mutants", action="store_true", help="honest cases only")
+  p.add_argument("--max_mutants", type=int, default=None,
+                 help="at most this many mutants per case, a seeded draw (default: every one that applies)")
   p.add_argument("--max_bytes", type=int, default=None, help="largest size drawn (default: the space's, 1 GiB on"
                  " targets, 4 MiB on CPU devices)")
   p.add_argument("--out", default=None, help="write every outcome and the summary as JSON here")
@@ -83,7 +85,8 @@ def main() -> int:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     if backend == "cpu":
       env["JAX_NUM_CPU_DEVICES"] = str(n)
-    payload = json.dumps({"cases": [c.__dict__ for c in group], "mutants": not args.no_mutants and backend == "cpu"})
+    payload = json.dumps({"cases": [c.__dict__ for c in group], "mutants": not args.no_mutants and backend == "cpu",
+                          "max_mutants": args.max_mutants})
     t = time.perf_counter()
     r = subprocess.run([sys.executable, __file__, "--worker", payload], capture_output=True, text=True, env=env,
                        cwd=ROOT)

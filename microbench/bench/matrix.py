@@ -306,10 +306,11 @@ def group_sizes(cases_: list[Case]) -> list[int]:
 
 
 
-def run_mutants(case: Case, kinds: list[str] | None = None) -> list[Outcome]:
+def run_mutants(case: Case, kinds: list[str] | None = None, limit: int | None = None) -> list[Outcome]:
   """The case with each applicable mutant (microbench.bench.mutants.kinds_for, or `kinds`) in place of its
   collective; each outcome must be `caught`. Only where the case runs (CPU devices): on a target nothing runs
-  to be wrong."""
+  to be wrong. `limit`: at most that many of them, drawn with a seed from the case (the same case always runs
+  the same ones), for samples whose every mutant costs a large program's compile."""
   from microbench.bench import mutants  # pylint: disable=g-import-not-at-top
   if case.target:
     return []
@@ -321,4 +322,9 @@ def run_mutants(case: Case, kinds: list[str] | None = None) -> list[Outcome]:
   if _refusal(base, case, plan.group_size, platform):
     return []
   chosen = kinds if kinds is not None else mutants.kinds_for(base, case.dtype, case.iters, plan.num_groups)
+  if limit is not None and len(chosen) > limit:
+    import random  # pylint: disable=g-import-not-at-top
+    import zlib  # pylint: disable=g-import-not-at-top
+    seed = zlib.crc32(repr(sorted(case.__dict__.items())).encode())
+    chosen = [k for k in chosen if k in set(random.Random(seed).sample(list(chosen), limit))]
   return [run_case(case, mutants.make(k, base, tuple(mesh.axis_names), tuple(plan.axes))) for k in chosen]

@@ -46,9 +46,10 @@ def _defined(tree: ast.AST) -> dict[str, bool]:
 @functools.cache
 def owners() -> dict[str, tuple[str, ...]]:
   """Flag name -> the modes that define it: their own DEFINEs, the `common.define_*` groups they call, and the
-  cluster flags where they import cluster_flags."""
+  cluster (store) flags where they import cluster_flags (store_flags)."""
   groups = {f.name: _defined(f) for f in _source(SHARED_FLAG_MODULES[0]).body if isinstance(f, ast.FunctionDef)}
   cluster = _defined(_source(SHARED_FLAG_MODULES[1]))
+  store = _defined(_source(SHARED_FLAG_MODULES[2]))
   out: dict[str, list[str]] = {}
   for mode in MODES:
     tree = _source(f"{PACKAGE}.{mode}")
@@ -59,6 +60,8 @@ def owners() -> dict[str, tuple[str, ...]]:
         names.update(groups.get(n.func.attr, {}))
       elif isinstance(n, ast.ImportFrom) and any(a.name == "cluster_flags" for a in n.names):
         names.update(cluster)
+      if isinstance(n, ast.ImportFrom) and any(a.name == "store_flags" for a in n.names):
+        names.update(store)
     for name in names:
       out.setdefault(name, []).append(mode)
   return {name: tuple(modes) for name, modes in out.items()}

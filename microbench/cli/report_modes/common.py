@@ -24,3 +24,9 @@ def beside(paths: list[str]) -> str | None:
   """The run folder the default store sits beside: the first one given."""
   import os  # pylint: disable=import-outside-toplevel
   return next((p for p in paths if os.path.exists(p)), None)
+
+
+def drain_commands(named: dict[str, str]) -> list[list[str]]:
+  """scontrol's drain command per named node, with the doctor's reason."""
+  return [["scontrol", "update", f"nodename={node}", "state=drain", f"reason=microbench-doctor: {why}"[:200]]
+          for node, why in sorted(named.items())]

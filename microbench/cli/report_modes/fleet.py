@@ -21,7 +21,6 @@ def _one_node(rows: list[dict]) -> int:
   drain line (run with --drain)."""
   import shlex  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
-  from microbench.cli.report_modes import judge  # pylint: disable=import-outside-toplevel
   row = next((r for r in rows if r["node"] == FLAGS.node), None)
   if row is None:
     print(f"microbench-report: node {FLAGS.node}: no doctor run in the store has examined it")
@@ -32,7 +31,7 @@ def _one_node(rows: list[dict]) -> int:
     return 0
   print(f"microbench-report: node {FLAGS.node}: NAMED by its latest doctor run ({row['last_named']}):"
         f" {row['last_detail']}")
-  for cmd in judge.drain_commands({FLAGS.node: row["last_detail"]}):
+  for cmd in common.drain_commands({FLAGS.node: row["last_detail"]}):
     print(("draining: " if FLAGS.drain else "drain (run with --drain): ") + shlex.join(cmd))
     if FLAGS.drain:
       subprocess.run(cmd, check=False)

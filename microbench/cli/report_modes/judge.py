@@ -15,12 +15,6 @@ from microbench.cli.report_modes import common
 FLAGS = common.FLAGS
 
 
-def drain_commands(named: dict[str, str]) -> list[list[str]]:
-  """scontrol's drain command per named node, with the doctor's reason."""
-  return [["scontrol", "update", f"nodename={node}", "state=drain", f"reason=microbench-doctor: {why}"[:200]]
-          for node, why in sorted(named.items())]
-
-
 def _named(store, run_id: str) -> dict[str, str]:
   import sqlalchemy as sa  # pylint: disable=import-outside-toplevel
   from microbench.store import schema  # pylint: disable=import-outside-toplevel
@@ -71,7 +65,7 @@ def main(paths: list[str]) -> int:
   if FLAGS.rules:
     rule_status, results = _rules(store, run_id)
     status = max(status, rule_status)
-  for cmd in drain_commands(_named(store, run_id)):
+  for cmd in common.drain_commands(_named(store, run_id)):
     print(("draining: " if FLAGS.drain else "drain (run with --drain): ") + shlex.join(cmd))
     if FLAGS.drain:
       r = subprocess.run(cmd, capture_output=True, text=True, check=False)
