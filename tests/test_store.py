@@ -370,3 +370,14 @@ def test_a_sweep_records_itself_and_a_broken_store_loses_nothing(tmp_path):
                      capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=240, check=False)
   assert r.returncode == 0 and "results store: not recorded" in r.stdout and "--index" in r.stdout
   assert os.path.exists(tmp_path / "b" / "results.jsonl")
+
+
+def test_an_nccl_tests_log_is_a_run_with_its_nccl_version(store, tmp_path):
+  from test_nccl_tests_logs import NEW  # pylint: disable=import-outside-toplevel
+  log = tmp_path / "all_reduce_perf.log"
+  log.write_text(NEW)
+  entry = folders.read(str(log))
+  assert entry.kind == folders.NCCL_TESTS and entry.points and entry.fingerprint["nccl"]
+  run_id = index.write(store, entry)
+  with store.read() as conn:
+    assert len(queries.records(conn, run_id)) == len(entry.points)

@@ -115,6 +115,15 @@ def test_cli_end_to_end(tmp_path):
               "memory_per_device_bytes", "compile_time_s", "comm", "comm_loops", "attention", "remat"):
     assert key in summary, key
   assert summary["comm"]["all-gather"]["bytes"] > 0 and summary["comm"]["all-reduce"]["bytes"] > 0
+  # recorded in the results store beside the run folder, with the summary's figures
+  assert "# results store: run" in proc.stdout
+  from microbench.store import connect, queries  # pylint: disable=g-import-not-at-top
+  store = connect.open_store(connect.resolve(str(tmp_path / connect.FILENAME)))
+  with store.read() as conn:
+    (run,) = queries.machine_runs(conn, kind="train")
+    figures = queries.figures(conn, run["run_id"])
+  assert figures["train/tokens_per_s"] == pytest.approx(summary["tokens_per_s"])
+  assert figures.get("train/mfu") == (None if summary["mfu"] is None else pytest.approx(summary["mfu"]))
 
   acc = EventAccumulator(str(out), size_guidance={"scalars": 0, "tensors": 0})
   acc.Reload()

@@ -245,14 +245,28 @@ def _nccl_tests(path: str) -> RunEntry:
 
 def nccl_tests_entry(path: str, records: list[dict[str, Any]], notes: list[str]) -> RunEntry:
   """An nccl-tests output file as a run: its points as the report reads them, NCCL's version in the fingerprint."""
-  version = next((r.get("nccl_version") for r in records if r.get("nccl_version")), None)
-  ranks = max((int(r.get("group_size") or 0) for r in records), default=0)
-  identity = {"accelerator": None, "count": ranks or None, "platform": "nccl-tests", "topology": None,
+  version = next((r.get("nccl_version") for r in records if r.get("nccl_version")), None) or _nccl_version(path)
+  ranks = max((int(r.get("group_size") or r.get("ranks") or 0) for r in records), default=0)
+  devices = next((r.get("devices") for r in records if isinstance(r.get("devices"), str)), None)
+  identity = {"accelerator": devices, "count": ranks or None, "platform": "nccl-tests", "topology": None,
               "nodes": [], "fabric": None, "target": None}
   finished = _mtime(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
   return RunEntry(NCCL_TESTS, path, os.path.basename(path), identity, {**identity, "nccl": version, "env": {}},
                   "nccl-tests " + os.path.basename(path), None, finished, finished, "finished",
-                  points=[dict(r, status=r.get("status", "ok")) for r in records], summary={"notes": notes[:5]})
+                  points=[dict(r, status=r.get("status", "ok"), scope=r.get("scope") or "nccl-tests",
+                               group_size=r.get("group_size") or r.get("ranks") or 0) for r in records],
+                  summary={"notes": notes[:5]})
+
+
+def _nccl_version(path: str) -> str | None:
+  """NCCL's version from a text log's `NCCL version 2.21.5+cuda12.4` line (its INFO output), if printed."""
+  import re  # pylint: disable=import-outside-toplevel
+  try:
+    with open(path, encoding="utf-8", errors="replace") as f:
+      m = re.search(r"NCCL version (\d+\.\d+\.\d+)", f.read(1 << 20))
+  except OSError:
+    return None
+  return m.group(1) if m else None
 
 
 _READERS = {SWEEP: _sweep, TRAIN: _train, DOCTOR: _doctor, STUDY: _study, NCCL_TESTS: _nccl_tests}

@@ -30,7 +30,8 @@ def figure(chosen: dict[Series, list[Point]], changes: dict[Series, list[int]],
   keys = list(chosen)
   fig = Figure(figsize=(9, 2.6 * max(1, len(keys))), layout="constrained")
   axes = fig.subplots(max(1, len(keys)), 1, squeeze=False)[:, 0]
-  order = {l: i for i, l in enumerate(labels)}
+  from matplotlib.ticker import MaxNLocator  # pylint: disable=import-outside-toplevel
+  order = {l: i + 1 for i, l in enumerate(labels)}  # runs numbered from 1, as the CHANGE lines name them
   for ax, key in zip(axes, keys):
     pts = chosen[key]
     x = [order[p.run_id] for p in pts]
@@ -43,10 +44,11 @@ def figure(chosen: dict[Series, list[Point]], changes: dict[Series, list[int]],
     if exp:
       ax.axhline(exp[-1], color="grey", ls="--", lw=1, label="fabric model")
     for i in changes.get(key, []):
-      ax.axvline(x[i] - 0.5, color="tab:red", lw=1.5, label=f"change before run {x[i] + 1}")
+      ax.axvline(x[i] - 0.5, color="tab:red", lw=1.5, label=f"change at run {x[i]}")
     ax.set_title(f"{key[0]} over {key[1]}, {key[2]}, n={key[3]}, {key[4]} B", fontsize=9)
     ax.set_ylabel("busbw (GB/s)")
     ax.set_xlabel("run (in finishing order)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7, loc="best")
   return fig
 
