@@ -26,7 +26,8 @@ def test_every_wrong_collective_is_caught_and_every_real_one_passes():
   assert r.returncode == 0, r.stderr[-3000:]
   results = json.loads(r.stdout.strip().splitlines()[-1])
   print(f"mutation run: {results.pop('seconds'):.1f} s")
-  assert len(results) == results.pop("planned")
+  planned = results.pop("planned")
+  assert len(results) == planned
   # Real collectives in every (dtype, group size) cell; every mutant in every dtype it allows and at every group
   # size of its kind (16 collective mutants at 5 sizes, 29 operator mutants at 3), though not in every pair.
   cells: dict[str, set[tuple[str, str]]] = {}
