@@ -1,6 +1,6 @@
 """`microbench-report --history [--since=DATE] [--machine=ID]`: a machine's busbw over time per collective,
-scope and size (the largest, bandwidth-bound size drawn), its change points named, the baseline's band and
-the fabric model's expectation; history.png and TensorBoard scalars in --out."""
+scope and size, the change points of every size named; history.png draws each series' largest
+(bandwidth-bound) size with the baseline's band and the fabric model's expectation; TensorBoard gets every size."""
 
 from __future__ import annotations
 
@@ -60,12 +60,12 @@ def main(paths: list[str]) -> int:
     raise app.UsageError(f"machine {machine_id[:8]}: {len(runs)} sweep(s) in the store since {FLAGS.since or 'ever'}:"
                          " a history needs two")
   labels = [r["run_id"] for r in runs]
-  chosen = history_views.pick(all_series)
-  changes = {k: history.change_points(v, FLAGS.tolerance) for k, v in chosen.items()}
+  chosen = history_views.pick(all_series)  # drawn: the bandwidth-bound end of each series
+  changes = {k: history.change_points(v, FLAGS.tolerance) for k, v in sorted(all_series.items())}  # named: every size
   print(f"history of {runs[0]['machine_name']} ({machine_id[:8]}): {len(runs)} sweep(s) from {runs[0]['finished_at']}"
         f" to {runs[-1]['finished_at']}" + (f"; band: baseline {band_name}" if band_name else ""))
   for key, idx in changes.items():
-    pts = chosen[key]
+    pts = all_series[key]
     for i in idx:
       before, after = pts[i - 1].busbw, pts[i].busbw
       print(f"CHANGE {key[0]} {key[1]} {key[2]} n={key[3]} {key[4]} B at run {labels.index(pts[i].run_id) + 1}"
@@ -76,6 +76,6 @@ def main(paths: list[str]) -> int:
       "%Y%m%d-%H%M%S"))
   os.makedirs(out, exist_ok=True)
   plots.save(history_views.figure(chosen, changes, band, labels), os.path.join(out, history_views.FIGURE))
-  folder = history_views.tensorboard(out, chosen, labels)
+  folder = history_views.tensorboard(out, all_series, labels)
   print(f"microbench-report: wrote {history_views.FIGURE} and TensorBoard scalars ({folder}) to {out}")
   return 0
