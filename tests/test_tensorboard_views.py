@@ -390,6 +390,8 @@ def test_a_report_under_a_run_folder_adds_no_run(logdir, tmp_path):
   from microbench.report import build
   root = tmp_path / "runs"
   shutil.copytree(os.path.join(logdir, "sweep_a"), root / "sweep_a")
+  if not build.sweep_images(str(root / "sweep_a"), run_folder.read_results(str(root / "sweep_a"))):
+    raise AssertionError("the sweep's own figures were not written")  # not left to another test's order
   _, provider = tensorboard(str(root))
   before = {r.run_name for r in provider.list_runs(tb_request.RequestContext(), experiment_id="")}
   build.build([str(root / "sweep_a")], str(root / "sweep_a" / "report"))
