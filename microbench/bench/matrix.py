@@ -326,5 +326,6 @@ def run_mutants(case: Case, kinds: list[str] | None = None, limit: int | None = 
     import random  # pylint: disable=g-import-not-at-top
     import zlib  # pylint: disable=g-import-not-at-top
     seed = zlib.crc32(repr(sorted(case.__dict__.items())).encode())
-    chosen = [k for k in chosen if k in set(random.Random(seed).sample(list(chosen), limit))]
+    drawn = set(random.Random(seed).sample(list(chosen), limit))
+    chosen = [k for k in chosen if k in drawn]  # in their own order
   return [run_case(case, mutants.make(k, base, tuple(mesh.axis_names), tuple(plan.axes))) for k in chosen]

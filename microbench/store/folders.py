@@ -17,6 +17,7 @@ from typing import Any
 
 from microbench.output import jsonl, run_folder
 from microbench.output.train_log import METRICS_FILE
+from microbench.report import runs
 
 DOCTOR_FILE = "doctor.json"
 STUDY_FILE = "study.json"
@@ -135,7 +136,7 @@ def _sweep(path: str) -> RunEntry:
 
 
 def _train(path: str) -> RunEntry:
-  config, steps, summary = _read_train(path)
+  config, steps, summary = runs.read_train(path)
   if not config:
     raise FolderError(f"{path}: {METRICS_FILE} has no config line (not a microbench-train run)")
   env = config.get("environment") or {}
@@ -155,19 +156,6 @@ def _train(path: str) -> RunEntry:
                   (env.get("toolkit") or {}).get("git_commit"), config.get("started_at"), last,
                   "finished" if summary else "stopped", figures=figures,
                   summary={"steps": len(steps), "model": config.get("model")})
-
-
-def _read_train(path: str):
-  config, steps, summary = {}, [], None
-  for rec in jsonl.read(os.path.join(path, METRICS_FILE)):
-    kind = rec.get("kind")
-    if kind == "config":
-      config = rec
-    elif kind == "step":
-      steps.append(rec)
-    elif kind == "summary":
-      summary = rec
-  return config, steps, summary
 
 
 def _mtime(path: str, name: str) -> str:

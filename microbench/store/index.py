@@ -93,12 +93,10 @@ def record(flag: str | None, run_dir: str, say: Callable[[str], None] = print,
       return None
     store = connect.open_store(url)
     run_id = write(store, entry or folders.read(run_dir))
-  except (connect.StoreError, folders.FolderError) as e:
-    say(f"# results store: not recorded ({e}); the run folder is complete: microbench-report --index {run_dir}")
-    return None
   except Exception as e:  # pylint: disable=broad-except  (a database error must not lose a finished run)
-    say(f"# results store: not recorded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the run"
-        f" folder is complete: microbench-report --index {run_dir}")
+    why = str(e) if isinstance(e, (connect.StoreError, folders.FolderError)) else \
+        f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    say(f"# results store: not recorded ({why}); the run folder is complete: microbench-report --index {run_dir}")
     return None
   say(f"# results store: run {run_id} recorded in {connect.display(url)}")
   return run_id

@@ -24,12 +24,17 @@ def _named(store, run_id: str) -> dict[str, str]:
   return dict(rows)
 
 
-def _rules(store, run_id: str) -> tuple[int, dict[str, int]]:
+def _load_rules() -> list:
+  """--rules read and checked before anything else is (a bad file is one line, FILE:LINE)."""
   from microbench.store import rules  # pylint: disable=import-outside-toplevel
   try:
-    rule_list = rules.load(FLAGS.rules)
+    return rules.load(FLAGS.rules)
   except rules.RulesError as e:
     raise app.UsageError(str(e)) from None
+
+
+def _rules(store, run_id: str, rule_list: list) -> tuple[int, dict[str, int]]:
+  from microbench.store import rules  # pylint: disable=import-outside-toplevel
   failed, results = 0, {}
   for o in rules.judge(store, run_id, rule_list):
     print(f"rule {o.verdict:<4} {o.rule.name}: {o.detail}" if o.verdict != rules.NONE else
@@ -45,12 +50,7 @@ def main(paths: list[str]) -> int:
   if len(paths) != 1:
     raise app.UsageError("--against and --rules judge one run: microbench-report RUN --against=NAME|previous|RUN"
                          " [--rules=FILE]")
-  if FLAGS.rules:
-    from microbench.store import rules  # pylint: disable=import-outside-toplevel
-    try:
-      rules.load(FLAGS.rules)  # a bad rules file is refused before anything is read
-    except rules.RulesError as e:
-      raise app.UsageError(str(e)) from None
+  rule_list = _load_rules() if FLAGS.rules else None
   from microbench.store import compare, folders, queries  # pylint: disable=import-outside-toplevel
   store = common.open_store(common.beside(paths))
   status, results = 0, {}
@@ -62,8 +62,8 @@ def main(paths: list[str]) -> int:
       status = c.exit_status
   except (folders.FolderError, queries.NotFound) as e:
     raise app.UsageError(str(e)) from None
-  if FLAGS.rules:
-    rule_status, results = _rules(store, run_id)
+  if rule_list is not None:
+    rule_status, results = _rules(store, run_id, rule_list)
     status = max(status, rule_status)
   for cmd in common.drain_commands(_named(store, run_id)):
     print(("draining: " if FLAGS.drain else "drain (run with --drain): ") + shlex.join(cmd))
