@@ -383,14 +383,14 @@ def test_on_chip_staging_is_counted_and_an_hbm_write_per_repetition_still_fails(
 @needs_libtpu
 @pytest.mark.parametrize("target,topology,scopes,sizes", [
     ("v5p", "4x4x4", {"host", "ici_x", "ici_y", "ici_z", "slice"}, ["--min_bytes=4K", "--step_factor=16"]),
-    ("v5e", "2x2,slices:2", {"host", "ici_x", "ici_y", "dcn", "global"}, [])])
-def test_the_default_sweep_compiles_for_a_tpu_slice_with_every_check_passing(tmp_path, target, topology, scopes,
-                                                                              sizes):
-  """The default sweep for two v5e slices, and for a v5p cube every collective and scope at half its sizes (4K to
-  16M, the default range's top; the whole of it is scripts/check_matrix.py's and measured-figures' 720 points),
-  compiles with every point's HLO checked; and XLA's own dump of every optimised module read the same way (each
-  loop's trip count found, each Megascale transfer of a known collective), so the checks stand on what XLA:TPU
-  wrote, not on one printing of it."""
+    ("v5e", "2x2,slices:2", {"host", "ici_x", "ici_y", "dcn", "global"}, ["--min_bytes=4K", "--step_factor=16"])])
+def test_every_collective_and_scope_compiles_for_a_tpu_slice_with_every_check_passing(tmp_path, target, topology,
+                                                                                      scopes, sizes):
+  """For two v5e slices joined over DCN and for a v5p cube, every collective and scope of the default sweep at
+  half its sizes (4K to 16M by 16x: the default range's ends and two between; the whole default sweep is
+  scripts/check_matrix.py's and measured-figures' 480 and 720 points) compiles with every point's HLO checked;
+  and XLA's own dump of every optimised module read the same way (each loop's trip count found, each Megascale
+  transfer of a known collective), so the checks stand on what XLA:TPU wrote, not on one printing of it."""
   import glob  # pylint: disable=g-import-not-at-top
   out, dump = tmp_path / "run", tmp_path / "dump"
   r = run_cli([f"--target={target}", f"--topology={topology}", *sizes, f"--outdir={out}"], timeout=1200,
