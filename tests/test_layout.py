@@ -32,6 +32,7 @@ LAYER = {
     "microbench.report": 5,  # reads run folders; below the measurements so a run can leave its fit and figures
     "microbench.bench": 6, "microbench.train": 6,
     "microbench.store": 6,  # the results store: run folders (output, report) indexed; commands record into it
+    "microbench.tuning": 6,  # what XLA and NCCL read (performance table, SoL options, tuner file), from runs
     "microbench.study": 7, "microbench.doctor": 7,
     "microbench.cli": 8, "microbench": 8,  # microbench/__init__ and __main__ (python -m microbench)
 }

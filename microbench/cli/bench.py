@@ -64,6 +64,12 @@ flags.DEFINE_bool("nccl_debug", False, "Capture NCCL's INFO log of every process
                   " subsystems INIT,NET,GRAPH,TUNING; what you set yourself is kept) and put what NCCL did in"
                   " meta.json's `nccl`: version, network, NICs, channels, transports, algorithm per collective."
                   " Also on when NCCL_DEBUG is set.")
+flags.DEFINE_multi_string("nccl_env", [], "Run the sweep once per NCCL setting, each in its own process, NCCL's"
+                          " own choice first: VAR=v1,v2 per variable (NCCL_ALGO, NCCL_PROTO, NCCL_MAX_NCHANNELS; every"
+                          " combination runs) or a preset (algorithms, protocols, ring-tree-protocols). Pairs NCCL"
+                          " does not implement for a collective are refused or left out, said before anything"
+                          " runs. Runs go to RUN/nccl_settings/<setting>; microbench-report RUN --nccl_tuner_conf"
+                          " writes NCCL's tuner table from them.")
 flags.DEFINE_enum("command_buffer", "no", list(command_buffer.SETTINGS), "XLA:GPU's command buffers (CUDA graphs,"
                   " nccl-tests' -G): yes records each point's programs, collectives and timed loop included, into"
                   " one (checked in the compiled program) and launches that; both times the point without and with"
@@ -118,6 +124,8 @@ def main(argv: list[str]) -> int:
     _load_resumed_flags(FLAGS.resume)
   cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)  # the job's flags too, in one line
   s = settings_from_flags()
+  if FLAGS.nccl_env:
+    return _per_nccl_setting(s)
   try:
     cfg = bench_settings.check(s)
     topology = bench_settings.topology_of(s)
@@ -135,6 +143,26 @@ def main(argv: list[str]) -> int:
     sys.stderr.flush()
     os._exit(code)
   return code
+
+
+def _per_nccl_setting(s: bench_settings.SweepSettings) -> int:
+  """--nccl_env: the sweep once per setting, each its own process (bench/nccl_runs.py)."""
+  from microbench.bench import nccl_runs  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import nccl_settings  # pylint: disable=g-import-not-at-top
+  for flag, given in (("target", s.target), ("resume", s.resume), ("distributed", cluster_flags.settings().enabled)):
+    if given:
+      raise app.UsageError(f"--nccl_env with --{flag}: " + (
+          "compile only, NCCL never runs" if flag == "target" else "resume one setting's folder on its own"
+          if flag == "resume" else "in a multi-process job run one job per setting (NCCL_ALGO=... set) and give"
+          " their folders to microbench-report --nccl_tuner_conf"))
+  try:
+    cfg = bench_settings.check(s)
+    settings, notes = nccl_settings.combinations(nccl_settings.parse(FLAGS.nccl_env), cfg.collectives)
+  except (bench_settings.SettingsError, nccl_settings.NcclSettingError) as e:
+    raise app.UsageError(str(e)) from None
+  for line in notes + nccl_settings.overriding(os.environ, nccl_settings.VARIABLES):
+    print(f"microbench: {line}")
+  return nccl_runs.run_all(sys.argv[1:], settings, bench_settings.outdir_of(s))
 
 
 def _load_resumed_flags(outdir: str) -> None:

@@ -58,6 +58,16 @@ flags.DEFINE_string("prometheus", None, "Write the store's latest figures and ve
 flags.DEFINE_string("node", None, "With --prometheus: this node's series only. With --fleet: this node's latest"
                     " verdict, exit 1 when the doctor named it (a SLURM health check).")
 flags.DEFINE_bool("drain", False, "Run the scontrol drain line printed for each node the judged doctor run named.")
+# What XLA and NCCL read, written from the runs (docs/tuning.md).
+flags.DEFINE_string("xla_perf_table", None, "Write XLA:GPU's collective performance table (text proto) from the"
+                    " sweeps' checked points inside one node, merged into this file if it exists.")
+flags.DEFINE_string("xla_device_key", None, "With --xla_perf_table: XLA's device key to write under (default: the"
+                    " runs' GPU's, e.g. sm_90); needed for a rehearsal from CPU runs.")
+flags.DEFINE_bool("xla_sol_options", False, "Fit XLA:GPU's speed-of-light collective model to the sweeps' points"
+                  " across nodes; print the XLA_FLAGS line and record it in RUN/xla_sol_options.json.")
+flags.DEFINE_string("nccl_tuner_conf", None, "Write NCCL's example tuner plugin's CSV config from runs of one sweep"
+                    " under several NCCL settings (microbench --nccl_env): the best setting per collective, size"
+                    " band, node and rank count where it beats NCCL's own choice beyond noise and --tolerance.")
 STORE_MODES = ("index", "baseline", "history", "fleet", "judge")
 SIDES = "vs"  # separates the sides of a comparison among the run folders
 
@@ -130,6 +140,11 @@ def _store_mode() -> str | None:
 def main(argv: list[str]) -> int:
   paths = argv[1:]
   mode = _store_mode()
+  tuning = [m for m, on in (("xla_tuning", FLAGS.xla_perf_table or FLAGS.xla_sol_options),
+                            ("nccl_tuner", FLAGS.nccl_tuner_conf)) if on]
+  if tuning and (mode or len(tuning) > 1):
+    raise app.UsageError("--xla_perf_table/--xla_sol_options, --nccl_tuner_conf and the store modes: one at a time")
+  mode = mode or (tuning[0] if tuning else None)
   if mode:
     import importlib  # pylint: disable=g-import-not-at-top
     return importlib.import_module(f"microbench.cli.report_modes.{mode}").main(paths)

@@ -82,6 +82,12 @@ flags.DEFINE_integer("profile_steps", 0, "Trace this many extra steps after the 
 flags.DEFINE_string("topology", None, "Machine shape racks:R,nodes:N,gpus:G (a TPU --target: its slice, e.g."
                     " 4x4x4 or 16x16, and slices:S for several). Default: from the processes' hosts (a TPU target:"
                     " one host's chips).", **_M)
+flags.DEFINE_string("xla_perf_table", None, "With a GPU --target: compile the step with this collective"
+                    " performance table (microbench-report --xla_perf_table writes one from sweeps) and say what it"
+                    " changed in the schedule: each collective's async windows against --xla_perf_table_baseline's;"
+                    " a table XLA cannot use (wrong device key, unreadable) is named.", **_M)
+flags.DEFINE_string("xla_perf_table_baseline", None, "With --xla_perf_table: the table the schedule is compared"
+                    " against (default: XLA's built-in table).", **_M)
 
 # What only a run does (processes, timed and traced steps): refused with --target, which compiles only.
 RUN_ONLY_FLAGS = (*cluster_flags.JOB_FLAGS, "steps", "warmup_steps", "profile_steps")
@@ -106,7 +112,8 @@ def main(argv: list[str]) -> None:
       microbatches=FLAGS.microbatches, schedule=FLAGS.schedule, virtual_stages=FLAGS.virtual_stages,
       context_impl=FLAGS.context_impl, measure_overheads=FLAGS.measure_overheads, preset=FLAGS.preset,
       outdir=FLAGS.outdir, profile_steps=FLAGS.profile_steps, topology=FLAGS.topology,
-      nodes_per_rack=FLAGS.nodes_per_rack, target=FLAGS.target)
+      nodes_per_rack=FLAGS.nodes_per_rack, target=FLAGS.target, xla_perf_table=FLAGS.xla_perf_table,
+      xla_perf_table_baseline=FLAGS.xla_perf_table_baseline)
   cluster_flags.refuse_with_target(RUN_ONLY_FLAGS)
   try:
     if FLAGS.preset is None:
@@ -120,7 +127,9 @@ def main(argv: list[str]) -> None:
       cfg = _with_preset(cfg)
       train.check_request(cfg)
     cfg = dataclasses.replace(cfg, outdir=cfg.outdir or default_run_dir(cfg))
-    train.run(cfg)
+    _say_table_verdicts(cfg)
+    result = train.run(cfg)
+    _say_table_effect(result.summary.get("xla_perf_table") if result.summary else None)
   except (train.ConfigError, presets.PresetError, machine.TopologyError, *TARGET_ERRORS) as e:
     raise app.UsageError(str(e)) from None
   finally:
@@ -147,6 +156,33 @@ def _with_preset(cfg):
   fields, note = presets.resolve(FLAGS.preset, count, platform, memory, explicit)
   return dataclasses.replace(cfg, **fields, preset_note=note)
 
+def _say_table_verdicts(cfg) -> None:
+  """What XLA will do with the table(s) given, before the compile (XLA itself says nothing)."""
+  if not cfg.xla_perf_table:
+    return
+  from microbench.fabric import gpu_kinds  # pylint: disable=g-import-not-at-top
+  from microbench.tuning import xla_perf_table, xla_table_check  # pylint: disable=g-import-not-at-top
+  kind = gpu_kinds.target(cfg.target)
+  key = xla_perf_table.device_key(kind.device_kind)
+  for path in (cfg.xla_perf_table, cfg.xla_perf_table_baseline):
+    if path and path != "builtin":
+      v = xla_table_check.check(path, key, kind.gpus_per_node)
+      for line in v.fatal + v.notes:
+        print(f"microbench-train: {line}")
+      if v.used:
+        print(f"microbench-train: {path}: {v.entries} entries for {key} ({', '.join(v.kinds)})")
+
+
+def _say_table_effect(effect) -> None:
+  if not effect:
+    return
+  for line in effect["lines"]:
+    print(f"microbench-train: {line}")
+  if effect["same_schedule"] and effect["windows"]:
+    print(f"microbench-train: XLA compiled the same schedule with {effect['table']} as with the"
+          f" {effect['baseline']} table: it did not read it (see the lines above), or its times agree with it")
+
+
 
 def run() -> None:
   """Console-script entry point."""
@@ -155,3 +191,4 @@ def run() -> None:
 
 if __name__ == "__main__":
   run()
+

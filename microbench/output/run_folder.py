@@ -21,6 +21,7 @@ from microbench.output.tensorboard import TensorBoardLog
 RESULTS = "results.jsonl"
 RESULTS_CSV = "results.csv"
 META = "meta.json"
+NCCL_SETTINGS = "nccl_settings.json"  # a sweep run once per NCCL setting (microbench --nccl_env): its runs, by setting
 # Columns a reader looks for first; every other field follows in name order.
 CSV_LEAD = ("collective", "scope", "dtype", "bytes", "requested_bytes", "count", "group_size", "num_groups",
             "time_us", "algbw_gbps", "busbw_gbps", "peak_gbps", "busbw_pct_of_peak", "peak_algorithm", "wrong", "status",

@@ -75,6 +75,10 @@ class TrainConfig:
   # XLA options for the step's compile (library use: tests turn LLVM optimisation off to compile faster;
   # SPMD partitioning, which decides the collectives and shardings, is the same).
   compiler_options: dict[str, Any] | None = None
+  # A collective performance table XLA:GPU's scheduler reads (a GPU --target), and what the step compiled with
+  # it is compared against: None is XLA's built-in table (train/xla_table_effect.py).
+  xla_perf_table: str | None = None
+  xla_perf_table_baseline: str | None = None
   verbose: bool = True
 
 
@@ -162,7 +166,23 @@ def check_request(cfg: TrainConfig) -> tuple[ModelSpec, par.Parallelism, Topolog
                         " expert-parallel degree that divides it")
   _check_pipeline(cfg, spec, parallelism)
   _check_context(cfg, spec, parallelism)
+  _check_perf_table(cfg)
   return spec, parallelism, topology
+
+
+def _check_perf_table(cfg: TrainConfig) -> None:
+  import os  # pylint: disable=g-import-not-at-top
+  from microbench.cluster import machine  # pylint: disable=g-import-not-at-top
+  if cfg.xla_perf_table_baseline and not cfg.xla_perf_table:
+    raise ConfigError("--xla_perf_table_baseline compares against --xla_perf_table: give the table too")
+  if not cfg.xla_perf_table:
+    return
+  if not cfg.target or machine.is_tpu_target(cfg.target):
+    raise ConfigError(f"--xla_perf_table is read by XLA:GPU's scheduler: compile for a GPU --target (h100, b200,"
+                      f" ...), not {cfg.target or 'the devices here'}")
+  for path in (cfg.xla_perf_table, cfg.xla_perf_table_baseline):
+    if path and path != "builtin" and not os.path.isfile(path):
+      raise ConfigError(f"{path}: no such table file (XLA would silently use its built-in table)")
 
 
 def _parse_topology(cfg: TrainConfig):

@@ -24,7 +24,7 @@ from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.fabric import gpu_kinds, tpu_kinds
 from microbench.aot import gpu_compile
-from microbench.train import comm_fingerprint, dispatch, flops_peaks, overheads
+from microbench.train import comm_fingerprint, dispatch, flops_peaks, overheads, xla_table_effect
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from microbench.models import moe, pipeline, pipeline_schedule
 from microbench.models.optimizer import AdamWConfig, adamw
@@ -445,9 +445,10 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
   cfg, spec, device, n = p.cfg, p.spec, p.mesh.devices.flat[0], p.mesh.size
   t0 = time.perf_counter()
   compile_note, refused = None, None
+  options = xla_table_effect.options_with(cfg.compiler_options, cfg.xla_perf_table)
   try:
     if cfg.target:
-      compiled, compile_note = gpu_compile.compile_for_target(trainer.compile_step, cfg.compiler_options)
+      compiled, compile_note = gpu_compile.compile_for_target(trainer.compile_step, options)
     else:
       compiled = trainer.compile_step(cfg.compiler_options)
   except Exception as e:  # pylint: disable=broad-except
@@ -460,6 +461,8 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
   hlo_text = compiled.as_text() if compiled is not None else ""
   report = comm_fingerprint.comm_report(hlo_text, n)
+  table = xla_table_effect.effect(trainer.compile_step, cfg.compiler_options, cfg.xla_perf_table,
+                                  cfg.xla_perf_table_baseline, hlo_text) if cfg.xla_perf_table and hlo_text else None
   comm, comm_loops = report["ops"], report["loops"]
   comm_note = None
   if device.platform == "cpu" and cfg.dtype == "bfloat16" and comm:
@@ -485,7 +488,7 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       "target": cfg.target, **_target_peak(cfg, device, flops, n),
       "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops,
       "comm_note": comm_note, "comm_dcn": report["dcn"], "comm_forms": report["forms"],
-      **_strategy_fields(p, spec, device),
+      **_strategy_fields(p, spec, device), "xla_perf_table": table,
   }
   return _Compiled(compiled, common)
 
