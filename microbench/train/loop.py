@@ -24,6 +24,7 @@ from microbench.output import run_folder
 from microbench.output.train_log import RESOLVED_FLAGS, TrainLog, markdown_table
 from microbench.fabric import gpu_kinds, tpu_kinds
 from microbench.aot import gpu_compile
+from microbench.hlo import schedule_diff
 from microbench.train import comm_fingerprint, dispatch, flops_peaks, overheads, xla_table_effect
 from microbench.train.config import DTYPES, Plan, TrainConfig, check_shardable, plan
 from microbench.models import moe, pipeline, pipeline_schedule
@@ -489,6 +490,7 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops,
       "comm_note": comm_note, "comm_dcn": report["dcn"], "comm_forms": report["forms"],
       **_strategy_fields(p, spec, device), "xla_perf_table": table,
+      "schedule_windows": schedule_diff.windows_by_op(hlo_text) if cfg.target and device.platform == "gpu" else None,
   }
   return _Compiled(compiled, common)
 

@@ -92,18 +92,29 @@ class Fit:
   max_error: float
   errors: list[float]
 
+  collectives: tuple[str, ...] = ()  # each point's, in order (errors[i] is collectives[i]'s)
+
+  def worst_by_collective(self) -> dict[str, float]:
+    """The largest error per collective: where XLA's model does not fit this machine."""
+    out: dict[str, float] = {}
+    for c, e in zip(self.collectives, self.errors):
+      out[c] = max(out.get(c, 0.0), e)
+    return out
+
   def xla_flags(self) -> str:
     keys = ("nccl_op_launch_us", "nic_speed_gbps", "chunk_prep_us", "rtt_us", "gpus_per_node", "chunk_size_bytes")
-    text = ",".join(f"{k}={_fmt(k, self.options[k])}" for k in keys)
+    text = ",".join(f"{k}={fmt(k, self.options[k])}" for k in keys)
     return ("--xla_gpu_enable_analytical_sol_latency_estimator=true"
             f" --xla_gpu_analytical_latency_estimator_options={text}")
 
   def record(self) -> dict[str, Any]:
     return {"options": self.options, "how": self.how, "points": self.points, "median_error": self.median_error,
-            "max_error": self.max_error, "xla_flags": self.xla_flags()}
+            "max_error": self.max_error, "worst_by_collective": self.worst_by_collective(),
+            "xla_flags": self.xla_flags()}
 
 
-def _fmt(key: str, value: float) -> str:
+def fmt(key: str, value: float) -> str:
+  """An option's value as XLA reads it (whole numbers for all but the NIC speed)."""
   return str(int(value)) if key in INTEGER else f"{value:.6g}"
 
 
@@ -186,7 +197,8 @@ def _fit_one(points: Sequence[Point], gpus_per_node: int, defaults: dict[str, fl
   how["chunk_size_bytes"] = ("kept at XLA's default" if chunk == int(defaults["chunk_size_bytes"])
                              else "chosen from 64 KiB .. 64 MiB (best fit)")
   errors = [abs(predict(p, options) / p.time_us - 1) for p in points]
-  return Fit(options, how, len(points), float(np.median(errors)), float(max(errors)), errors)
+  return Fit(options, how, len(points), float(np.median(errors)), float(max(errors)), errors,
+             tuple(p.collective for p in points))
 
 
 def points_from(records: Sequence[dict[str, Any]], meta: dict[str, Any]) -> tuple[list[Point], dict[str, int]]:

@@ -72,9 +72,10 @@ def _sol(paths: list[str]) -> None:
       left[k] = left.get(k, 0) + n
   f = xla_sol_fit.fit(points, int(per_node or 8), xla_sol_fit.defaults_for(device_kind))
   for k, v in f.options.items():
-    print(f"microbench-report: {k} = {v:.6g}  ({f.how[k]})")
+    print(f"microbench-report: {k} = {xla_sol_fit.fmt(k, v)}  ({f.how[k]})")
   print(f"microbench-report: over {f.points} points across nodes the options reproduce the measured times within"
-        f" {f.median_error:.1%} (median) and {f.max_error:.1%} (worst)")
+        f" {f.median_error:.1%} (median) and {f.max_error:.1%} (worst); worst per collective: "
+        + ", ".join(f"{c} {e:.1%}" for c, e in f.worst_by_collective().items()))
   for why, n in sorted(left.items()):
     print(f"microbench-report: left out {n} point(s): {why}")
   print(f"XLA_FLAGS='{f.xla_flags()}'")
