@@ -302,6 +302,7 @@ def test_a_table_from_a_sweep_changes_xlas_schedule_the_way_its_numbers_say(swee
   rows = summary["xla_perf_table"]["rows"]
   assert any(r_["inside"][1] < r_["inside"][0] for r_ in rows), rows
   assert all(r_["inside"][1] <= r_["inside"][0] for r_ in rows), rows
+  print("\n".join(l for l in r.stdout.splitlines() if "->" in l))  # the figures (-s shows them)
   changed = [r_["op"] for r_ in rows if r_["changed"]]
   assert changed and all(f"{op}: " in r.stdout for op in changed)
   wrong = tmp_path / "sm_80.pbtxt"
@@ -331,6 +332,7 @@ def test_sol_options_as_the_report_prints_them_change_the_schedule_across_nodes(
     assert r.returncode == 0, r.stderr[-3000:]
     windows.append([json.loads(l) for l in open(out / "metrics.jsonl", encoding="utf-8")][-1]["schedule_windows"])
   default, fast = windows
+  print(f"XLA's default SoL options: {default}\nfast network: {fast}")  # the figures (-s shows them)
   assert any(fast[op]["inside"] < default[op]["inside"] for op in default), windows
   assert all(fast.get(op, {}).get("inside", 0) <= default[op]["inside"] for op in default), windows
 

@@ -160,7 +160,9 @@ def _per_nccl_setting(s: bench_settings.SweepSettings) -> int:
     settings, notes = nccl_settings.combinations(nccl_settings.parse(FLAGS.nccl_env), cfg.collectives)
   except (bench_settings.SettingsError, nccl_settings.NcclSettingError) as e:
     raise app.UsageError(str(e)) from None
-  for line in notes + nccl_settings.overriding(os.environ, nccl_settings.VARIABLES):
+  replaced = [f"{k}={os.environ[k]} in the environment: each setting's run has its own (NCCL's own choice none)"
+              for k in nccl_settings.VARIABLES if k in os.environ]
+  for line in notes + replaced + nccl_settings.overriding(os.environ, nccl_settings.VARIABLES):
     print(f"microbench: {line}")
   return nccl_runs.run_all(sys.argv[1:], settings, bench_settings.outdir_of(s))
 
