@@ -25,6 +25,7 @@ import support  # noqa: E402
 #   cluster      needs root and Debian's slurm-wlm / munge / Open MPI: the emulated cluster, SLURM, mpirun.
 #   gpu_compile  needs the gpu-compile extra (XLA:GPU through JAX's CUDA plugin); always slow too.
 #   tpu_compile  needs the tpu-compile extra (XLA:TPU through libtpu); always slow too.
+#   long         a minute or more on two cores (also slow): collected first, so parallel workers finish together.
 #   slow         end-to-end runs, multi-process launches, exhaustive property tests, GPU-target compiles: a test
 #                function that takes 4 s or more (all its parameters together) on a 2-core machine, but for one
 #                end-to-end test per command (sweep, training, launcher) and the bad-input lines, which stay in
@@ -47,6 +48,10 @@ def pytest_collection_modifyitems(config, items):
       bad.append(f"{item.nodeid}: marked {' and '.join(sorted(marks & {'gpu_compile', 'tpu_compile'}))} but not slow")
   if bad:
     raise pytest.UsageError("test groups: a marker is missing\n  " + "\n  ".join(bad))
+  # `long` tests (a minute or more on two cores) first: pytest-xdist's workers then end on short tests and finish
+  # together, instead of one running a three-minute test while the other waits (a stable sort: the rest keep
+  # their order).
+  items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def pytest_report_header(config):

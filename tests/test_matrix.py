@@ -194,6 +194,7 @@ def test_command_buffers_refuse_the_ragged_all_to_all_in_one_line():
 # ------------------------------------------------------------------------------------------------ slow groups
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("devices", [48, 128])
 def test_larger_cpu_samples_and_their_mutants_in_processes_of_their_own(devices, tmp_path):
   """Groups of up to 128 CPU devices (an all-gather there was refused for the digest's reduce-window passes): a

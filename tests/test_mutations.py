@@ -20,6 +20,7 @@ WRONG = ("all_reduce missing", "all_reduce counting", "reduce_scatter missing", 
 REAL_OPERATORS = tuple(f"{b}_{op}" for b in ("all_reduce", "reduce_scatter") for op in ("max", "min", "prod", "avg"))
 
 
+@pytest.mark.long
 def test_every_wrong_collective_is_caught_and_every_real_one_passes():
   r = subprocess.run([sys.executable, "tests/_mutations.py"], capture_output=True, text=True, timeout=600,
                      env=clean_env(), cwd=ROOT)

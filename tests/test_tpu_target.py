@@ -381,6 +381,7 @@ def test_on_chip_staging_is_counted_and_an_hbm_write_per_repetition_still_fails(
 @pytest.mark.slow
 @pytest.mark.tpu_compile
 @needs_libtpu
+@pytest.mark.long
 @pytest.mark.parametrize("target,topology,scopes,sizes", [
     ("v5p", "4x4x4", {"host", "ici_x", "ici_y", "ici_z", "slice"}, ["--min_bytes=4K", "--step_factor=16"]),
     ("v5e", "2x2,slices:2", {"host", "ici_x", "ici_y", "dcn", "global"}, ["--min_bytes=4K", "--step_factor=16"])])

@@ -394,6 +394,7 @@ def _libtpu_version() -> str | None:
 @pytest.mark.slow
 @pytest.mark.tpu_compile
 @needs_libtpu
+@pytest.mark.long
 @pytest.mark.parametrize("name", _preset_names())
 def test_tpu_preset_fingerprint_matches_golden(tpu_golden, name):
   import json  # pylint: disable=g-import-not-at-top
