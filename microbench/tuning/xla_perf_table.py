@@ -104,6 +104,8 @@ def _skip_reason(rec: dict[str, Any], meta: dict[str, Any], checked: bool) -> st
     return "results not checked right (--check off, or wrong elements)"
   if rec.get("noisy"):
     return "NOISY (the time's spread is beyond the sweep's resolution)"
+  if not (rec.get("time_us") or 0) > 0:
+    return "no resolved time (a time by difference <= 0)"
   if rec.get("dtype") not in ELEMENT_TYPES:
     return f"dtype {rec.get('dtype')}: no XLA element type known"
   if rec["bytes"] > MAX_BYTES:

@@ -211,7 +211,8 @@ def points_from(records: Sequence[dict[str, Any]], meta: dict[str, Any]) -> tupl
     nodes = len({r // per_node for r in groups[0]}) if groups and per_node else 0
     why = ("not a collective XLA's SoL model costs" if rec.get("collective") not in OPS else
            "failed or unchecked" if rec.get("status") != "ok" or not checked or rec.get("wrong") else
-           "NOISY" if rec.get("noisy") else "inside one node (the performance table's)" if nodes < 2 else None)
+           "NOISY" if rec.get("noisy") else "no resolved time" if not (rec.get("time_us") or 0) > 0 else
+           "inside one node (the performance table's)" if nodes < 2 else None)
     if why:
       left[why] = left.get(why, 0) + 1
       continue
