@@ -16,6 +16,7 @@ import pytest
 
 from microbench.bench import nccl_runs
 from microbench.cluster import nccl_settings as ns
+from microbench.tuning import nccl_tuner
 from support import ROOT, clean_env, run_cli
 
 SWEEP = ["--topology=nodes:2,gpus:4", "--scopes=scale_up,scale_out", "--min_bytes=64K", "--max_bytes=1M",
@@ -188,18 +189,26 @@ def test_a_gain_within_tolerance_or_noise_keeps_nccls_choice(settings_run, tmp_p
   interval holds 1: no line (a rule that took the faster median would write one)."""
   base = _default(settings_run, tmp_path)
   arm = _arm(base, tmp_path / "ring-ll", {"NCCL_ALGO": "Ring", "NCCL_PROTO": "LL"}, 3, factor, (0, 1 << 30), spread)
-  text, _ = _conf(tmp_path, base, arm)
+  text, _ = _conf_here(base, arm)
   assert _rules(text) == []
+
+
+def _conf_here(*runs: str, tolerance: float = 0.05) -> tuple[str, list[str]]:
+  """What --nccl_tuner_conf writes, in this process (the command's own run is tested above)."""
+  arms = nccl_tuner.arms(list(runs))
+  return nccl_tuner.render(nccl_tuner.bands(nccl_tuner.results(arms), tolerance), tolerance, list(runs))
 
 
 def test_settings_that_cannot_make_a_line_are_said(settings_run, tmp_path):
   base = _default(settings_run, tmp_path)
   proto_only = _arm(base, tmp_path / "ll", {"NCCL_PROTO": "LL"}, 4, 0.5, (0, 1 << 30))
-  _, r = _conf(tmp_path, base, proto_only)
-  assert "names an algorithm and a protocol" in r.stdout
+  text, unwritten = _conf_here(base, proto_only)
+  assert _rules(text) == [] and unwritten and all("names an algorithm and a protocol" in u for u in unwritten)
+  with pytest.raises(nccl_tuner.TunerError, match="no run without NCCL_ALGO"):
+    nccl_tuner.arms([proto_only])
   listing = subprocess.run([sys.executable, "-m", "microbench.cli.report", proto_only, "--nccl_tuner_conf=x"],
                            capture_output=True, text=True, timeout=300, env=clean_env(), cwd=ROOT)
-  assert listing.returncode == 2 and "no run without NCCL_ALGO" in listing.stderr
+  assert listing.returncode == 2 and "no run without NCCL_ALGO" in listing.stderr.strip().splitlines()[-1]
 
 
 def test_the_folder_nccl_env_wrote_is_read_whole(settings_run, tmp_path):

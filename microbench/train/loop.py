@@ -489,8 +489,9 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       "target": cfg.target, **_target_peak(cfg, device, flops, n),
       "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops,
       "comm_note": comm_note, "comm_dcn": report["dcn"], "comm_forms": report["forms"],
-      **_strategy_fields(p, spec, device), "xla_perf_table": table,
-      "schedule_windows": schedule_diff.windows_by_op(hlo_text) if cfg.target and device.platform == "gpu" else None,
+      **_strategy_fields(p, spec, device), **({"xla_perf_table": table} if table else {}),
+      **({"schedule_windows": schedule_diff.windows_by_op(hlo_text)} if cfg.target and device.platform == "gpu"
+         else {}),
   }
   return _Compiled(compiled, common)
 
