@@ -20,7 +20,7 @@ from microbench.tuning import nccl_tuner
 from support import ROOT, clean_env, run_cli
 
 SWEEP = ["--topology=nodes:2,gpus:4", "--scopes=scale_up,scale_out", "--min_bytes=64K", "--max_bytes=1M",
-         "--step_factor=4", "--samples=6", "--store=none"]
+         "--step_factor=4", "--samples=3", "--store=none"]
 
 
 # ------------------------------------------------------------------------------------------------ settings

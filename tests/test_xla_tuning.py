@@ -27,7 +27,7 @@ def sweep(tmp_path_factory):
   node and across nodes."""
   out = tmp_path_factory.mktemp("xla") / "run"
   r = run_cli(["--topology=nodes:2,gpus:4", f"--collectives={COLLECTIVES}", "--scopes=scale_up,scale_out,global",
-               "--min_bytes=256K", "--max_bytes=1M", "--step_factor=4", "--samples=4", f"--outdir={out}",
+               "--min_bytes=256K", "--max_bytes=1M", "--step_factor=4", "--samples=3", f"--outdir={out}",
                "--store=none"], timeout=600)
   assert r.returncode == 0, r.stderr[-2000:]
   return str(out)
