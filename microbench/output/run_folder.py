@@ -252,6 +252,17 @@ def read_results(outdir: str) -> list[dict[str, Any]]:
   return jsonl.read(os.path.join(outdir, RESULTS))
 
 
+def scope_groups(meta: dict[str, Any], scope: str) -> list[list[int]]:
+  """The device groups meta.json records for a scope ([] when it has none)."""
+  return ((meta.get("scopes") or {}).get(scope) or {}).get("groups") or []
+
+
+def group_nodes(meta: dict[str, Any], group: Sequence[int]) -> int:
+  """How many nodes a group's devices span, by the run's topology (gpus per node); 0 when it has none."""
+  per_node = int((meta.get("topology") or {}).get("gpus") or 0)
+  return len({r // per_node for r in group}) if per_node else 0
+
+
 def read_meta(outdir: str) -> dict[str, Any] | None:
   """A run's meta.json (None when it has none); ValueError naming the file when it isn't JSON."""
   path = os.path.join(outdir, META)

@@ -84,9 +84,8 @@ def _usable(recs: Sequence[dict[str, Any]], meta: dict[str, Any]) -> list[dict[s
 
 def nodes_ranks(rec: dict[str, Any], meta: dict[str, Any]) -> tuple[int, int]:
   """(nNodes, nRanks) of the point's communicator: the nodes one group spans and its size."""
-  per_node = int((meta.get("topology") or {}).get("gpus") or 0) or 1
-  groups = ((meta.get("scopes") or {}).get(rec["scope"]) or {}).get("groups") or [[0]]
-  return len({r // per_node for r in groups[0]}), len(groups[0])
+  group = (run_folder.scope_groups(meta, rec["scope"]) or [[0]])[0]
+  return run_folder.group_nodes(meta, group) or len(group), len(group)  # no topology: a rank per node
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from microbench.fabric import gpu_kinds
+from microbench.output import run_folder
 from microbench.report import runs as report_runs
 from microbench.tuning import textproto
 
@@ -115,21 +116,16 @@ def _skip_reason(rec: dict[str, Any], meta: dict[str, Any], checked: bool) -> st
   return None
 
 
-def _groups(rec: dict[str, Any], meta: dict[str, Any]) -> list[list[int]]:
-  return (meta.get("scopes") or {}).get(rec["scope"], {}).get("groups") or []
-
-
 def _inside_one_node(rec: dict[str, Any], meta: dict[str, Any]) -> bool:
-  per_node = int((meta.get("topology") or {}).get("gpus") or 0)
-  groups = _groups(rec, meta)
-  return bool(per_node and groups) and all(len({r // per_node for r in g}) == 1 for g in groups)
+  groups = run_folder.scope_groups(meta, rec["scope"])
+  return bool(groups) and all(run_folder.group_nodes(meta, g) == 1 for g in groups)
 
 
 def entry(rec: dict[str, Any], meta: dict[str, Any]) -> textproto.Message | None:
   """One table entry for a measured point (None when its groups have no iota form)."""
   op = OPCODES[rec["collective"]]
   etype, esize = ELEMENT_TYPES[rec["dtype"]]
-  groups = _groups(rec, meta)
+  groups = run_folder.scope_groups(meta, rec["scope"])
   n = len(groups[0])
   elements = rec["bytes"] // esize // (n if op == "reduce-scatter" else 1)  # reduce-scatter: its output
   shape: textproto.Message = [("element_type", etype), ("dimensions", str(elements)),

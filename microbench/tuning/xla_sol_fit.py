@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from microbench.output import run_folder
+
 HEADER = 1.025  # XLA's kHeaderOverhead: 2.5% on every byte over the NIC
 NAMES = ("nccl_op_launch_us", "rtt_us", "chunk_prep_us", "nic_speed_gbps")
 INTEGER = ("nccl_op_launch_us", "rtt_us", "chunk_prep_us", "gpus_per_node", "chunk_size_bytes")
@@ -203,12 +205,11 @@ def _fit_one(points: Sequence[Point], gpus_per_node: int, defaults: dict[str, fl
 
 def points_from(records: Sequence[dict[str, Any]], meta: dict[str, Any]) -> tuple[list[Point], dict[str, int]]:
   """The sweep's checked, steady points whose groups span nodes; and the count left out, by reason."""
-  per_node = int((meta.get("topology") or {}).get("gpus") or 0)
   checked = (meta.get("flags") or {}).get("check", True) is not False
   out, left = [], {}
   for rec in records:
-    groups = ((meta.get("scopes") or {}).get(rec.get("scope"), {}) or {}).get("groups") or []
-    nodes = len({r // per_node for r in groups[0]}) if groups and per_node else 0
+    groups = run_folder.scope_groups(meta, rec.get("scope"))
+    nodes = run_folder.group_nodes(meta, groups[0]) if groups else 0
     why = ("not a collective XLA's SoL model costs" if rec.get("collective") not in OPS else
            "failed or unchecked" if rec.get("status") != "ok" or not checked or rec.get("wrong") else
            "NOISY" if rec.get("noisy") else "no resolved time" if not (rec.get("time_us") or 0) > 0 else

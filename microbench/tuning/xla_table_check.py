@@ -12,10 +12,9 @@ import dataclasses
 import os
 
 from microbench.tuning import textproto
-from microbench.tuning.xla_perf_table import KINDS, MAX_BYTES
+from microbench.tuning.xla_perf_table import ELEMENT_TYPES, KINDS, MAX_BYTES
 
-_ELEMENT_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "S32": 4, "S8": 1, "U8": 1, "S16": 2, "U32": 4,
-                  "S64": 8, "F8E4M3FN": 1, "F8E5M2": 1, "PRED": 1}
+_ELEMENT_BYTES = {"PRED": 1, **dict(ELEMENT_TYPES.values())}  # XLA's element type -> bytes
 
 
 @dataclasses.dataclass
