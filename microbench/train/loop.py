@@ -462,8 +462,11 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "code_bytes", "total_bytes"), 0)
   hlo_text = compiled.as_text() if compiled is not None else ""
   report = comm_fingerprint.comm_report(hlo_text, n)
-  table = xla_table_effect.effect(trainer.compile_step, cfg.compiler_options, cfg.xla_perf_table,
-                                  cfg.xla_perf_table_baseline, hlo_text) if cfg.xla_perf_table and hlo_text else None
+  windows = schedule_diff.windows_by_op(hlo_text) if cfg.target and device.platform == "gpu" and hlo_text else None
+  table = None
+  if cfg.xla_perf_table and windows is not None:
+    table = xla_table_effect.effect(trainer.compile_step, cfg.compiler_options, cfg.xla_perf_table,
+                                    cfg.xla_perf_table_baseline, windows)
   comm, comm_loops = report["ops"], report["loops"]
   comm_note = None
   if device.platform == "cpu" and cfg.dtype == "bfloat16" and comm:
@@ -490,8 +493,7 @@ def _compile(p: Plan, trainer: Trainer, layers: int, mesh_text: str) -> _Compile
       "compile_time_s": compile_s, "compile_note": compile_note, "comm": comm, "comm_loops": comm_loops,
       "comm_note": comm_note, "comm_dcn": report["dcn"], "comm_forms": report["forms"],
       **_strategy_fields(p, spec, device), **({"xla_perf_table": table} if table else {}),
-      **({"schedule_windows": schedule_diff.windows_by_op(hlo_text)} if cfg.target and device.platform == "gpu"
-         else {}),
+      **({"schedule_windows": windows} if windows is not None else {}),
   }
   return _Compiled(compiled, common)
 

@@ -29,10 +29,10 @@ def options_with(base: dict[str, Any] | None, table: str | None) -> dict[str, An
 
 
 def effect(compile_step: Callable[[dict[str, Any]], Any], base_options: dict[str, Any] | None, table: str,
-           baseline: str | None, hlo_text: str) -> dict[str, Any]:
-  """The step's windows under `table` (its compiled text given) against `baseline`'s (compiled here)."""
+           baseline: str | None, ours: dict[str, dict[str, int]]) -> dict[str, Any]:
+  """The step's windows under `table` (`ours`, read from its compiled program) against `baseline`'s (compiled
+  here)."""
   other, _ = gpu_compile.compile_for_target(compile_step, options_with(base_options, baseline))
-  ours = schedule_diff.windows_by_op(hlo_text)
   theirs = schedule_diff.windows_by_op(other.as_text())
   rows = schedule_diff.compare(theirs, ours)
   name = baseline or BUILTIN

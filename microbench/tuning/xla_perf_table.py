@@ -161,9 +161,15 @@ def identity(e: textproto.Message) -> str:
 
 
 def from_runs(paths: Sequence[str], key: str | None = None) -> tuple[str, list[textproto.Message], Counts]:
-  """(device key, entries, counts) from the sweeps under `paths`: one entry per checked, steady point inside
-  one node; the key from the runs' device (all one key) unless given."""
+  """`from_sweeps` of the sweeps under `paths`."""
   sweeps, _ = report_runs.load(list(paths))
+  return from_sweeps(sweeps, key)
+
+
+def from_sweeps(sweeps: Sequence[report_runs.SweepRun], key: str | None = None
+                ) -> tuple[str, list[textproto.Message], Counts]:
+  """(device key, entries, counts) from the sweeps: one entry per checked, steady point inside one node; the key
+  from the runs' device (all one key) unless given."""
   if not sweeps:
     raise TableError("no collective sweep among the runs given")
   keys = {key or _run_key(s.meta) for s in sweeps}

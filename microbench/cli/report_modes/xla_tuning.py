@@ -20,10 +20,11 @@ def main(paths: list[str]) -> int:
   from microbench.report import runs  # pylint: disable=import-outside-toplevel
   from microbench.tuning import xla_perf_table, xla_sol_fit  # pylint: disable=import-outside-toplevel
   try:
+    sweeps, _ = runs.load(paths)  # once, for both outputs
     if FLAGS.xla_perf_table:
-      _table(paths)
+      _table(sweeps)
     if FLAGS.xla_sol_options:
-      _sol(paths)
+      _sol(sweeps)
   except (runs.RunError, xla_perf_table.TableError, xla_sol_fit.FitError) as e:
     raise app.UsageError(str(e)) from None
   except OSError as e:
@@ -31,11 +32,9 @@ def main(paths: list[str]) -> int:
   return 0
 
 
-def _table(paths: list[str]) -> None:
-  from microbench.report import runs  # pylint: disable=import-outside-toplevel
+def _table(sweeps: list) -> None:
   from microbench.tuning import xla_perf_table, xla_table_check  # pylint: disable=import-outside-toplevel
-  key, entries, counts = xla_perf_table.from_runs(paths, FLAGS.xla_device_key)
-  sweeps, _ = runs.load(paths)
+  key, entries, counts = xla_perf_table.from_sweeps(sweeps, FLAGS.xla_device_key)
   if any(s.meta.get("platform") != "gpu" for s in sweeps):
     print(f"microbench-report: a rehearsal: written from {sweeps[0].meta.get('platform')} runs under XLA's key"
           f" {key} (--xla_device_key); these are not {key} devices' times")
@@ -55,10 +54,8 @@ def _table(paths: list[str]) -> None:
         f"{os.path.abspath(FLAGS.xla_perf_table)}")
 
 
-def _sol(paths: list[str]) -> None:
-  from microbench.report import runs  # pylint: disable=import-outside-toplevel
+def _sol(sweeps: list) -> None:
   from microbench.tuning import xla_sol_fit  # pylint: disable=import-outside-toplevel
-  sweeps, _ = runs.load(paths)
   machines = {(s.meta.get("device_kind"), (s.meta.get("topology") or {}).get("gpus")) for s in sweeps}
   if len(machines) != 1:
     raise xla_sol_fit.FitError(f"the runs are of {len(machines)} machines ({sorted(map(str, machines))}): fit one"
