@@ -267,6 +267,11 @@ def _series_intervals(series_parts: dict[SeriesKey, list[str | np.ndarray | None
   return series_interval
 
 
+def ratio_of(row: tuple[Any, ...]) -> tuple[PointKey, float, float | None, float | None]:
+  """A `ratio_rows` row's point, time ratio B/A and its interval (RATIO_HEADERS gives every column)."""
+  return row[:5], row[7], row[11], row[12]
+
+
 def ratio_rows(a: Side, b: Side) -> dict[str, Any]:
   """Run(s) B against run(s) A per point (matched on collective, scope, dtype, group size and bytes): each
   side's time is the geometric mean of its runs' median times (busbw likewise), with an interval on the time

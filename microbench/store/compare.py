@@ -104,7 +104,7 @@ def compare(store: connect.Store, run_id: str, against: str, tolerance: float = 
   rows = tables.ratio_rows(a_side, b_side)
   points = []
   for row in rows["both"]:
-    key, ratio, lo, hi = row[:5], row[7], row[11], row[12]
+    key, ratio, lo, hi = tables.ratio_of(row)
     points.append({"collective": key[0], "scope": key[1], "dtype": key[2], "group_size": key[3], "bytes": key[4],
                    "time_ratio": ratio, "lo": lo, "hi": hi, "busbw_a": row[8], "busbw_b": row[9],
                    "interval_from": row[16], "verdict": _judge(ratio, lo, hi, tolerance)})

@@ -111,7 +111,7 @@ def results(all_arms: Sequence[Arm]) -> dict[BandKey, list[Result]]:
   for arm in all_arms[1:]:
     rows = tables.ratio_rows(base, [_usable(r.records, r.meta) for r in arm.runs])["both"]
     for row in rows:
-      (coll, scope, dtype, _, nbytes), ratio, lo, hi = row[:5], row[7], row[11], row[12]
+      (coll, scope, dtype, _, nbytes), ratio, lo, hi = tables.ratio_of(row)
       if lo is None or hi is None or not ratio:
         continue
       nodes, ranks = nodes_ranks({"scope": scope}, meta)
