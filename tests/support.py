@@ -4,13 +4,17 @@ fixtures and hooks."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -79,6 +83,25 @@ def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> 
     if proc.poll() is None:
       proc.kill()
   return err
+
+
+def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+  """Folder `name`, made by `make(folder)` once per test session however many pytest-xdist workers need it (a
+  module fixture runs once per worker: a tuning module's sweep ran twice, 40 s each, in the fast suite). The
+  first worker to ask makes it under a lock while the others wait; a failed `make` leaves nothing, so the next
+  worker tries again and fails with its own message."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # the workers' base folders sit side by side in one session folder
+  folder, done = root / name, root / f"{name}.done"
+  with open(root / f"{name}.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      if folder.exists():
+        shutil.rmtree(folder)
+      make(folder)
+      done.touch()
+  return folder
 
 
 # ------------------------------------------------------------------------------------------- the emulated cluster

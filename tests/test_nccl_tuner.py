@@ -17,7 +17,7 @@ import pytest
 from microbench.bench import nccl_runs
 from microbench.cluster import nccl_settings as ns
 from microbench.tuning import nccl_tuner
-from support import ROOT, clean_env, run_cli
+from support import ROOT, clean_env, made_once, run_cli
 
 SWEEP = ["--topology=nodes:2,gpus:4", "--scopes=scale_up,scale_out", "--min_bytes=64K", "--max_bytes=1M",
          "--step_factor=4", "--samples=3", "--store=none"]
@@ -99,13 +99,15 @@ def test_each_settings_run_gets_its_own_folder_collectives_and_env():
 
 @pytest.fixture(scope="module")
 def settings_run(tmp_path_factory):
-  """A sweep run under NCCL's own choice, Ring and Tree by the toolkit (CPU devices: NCCL is not used, so the
-  settings' times differ by noise only)."""
-  out = tmp_path_factory.mktemp("nccl") / "run"
-  r = run_cli([*SWEEP, "--collectives=all_reduce,all_gather", "--nccl_env=NCCL_ALGO=Ring,Tree", f"--outdir={out}"],
-              timeout=900)
-  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-  return str(out), r.stdout
+  """A sweep run under NCCL's own choice, Ring and Tree by the toolkit, once for every worker (CPU devices: NCCL
+  is not used, so the settings' times differ by noise only); with what the command printed."""
+  def make(out):
+    r = run_cli([*SWEEP, "--collectives=all_reduce,all_gather", "--nccl_env=NCCL_ALGO=Ring,Tree", f"--outdir={out}"],
+                timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    out.with_suffix(".stdout").write_text(r.stdout, encoding="utf-8")  # beside the run folder
+  out = made_once(tmp_path_factory, "nccl_settings_run", make)
+  return str(out), out.with_suffix(".stdout").read_text(encoding="utf-8")
 
 
 def test_the_sweep_runs_once_per_setting_and_lists_them(settings_run):
