@@ -140,7 +140,7 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   plan, res = str(tmp_path / "plan"), str(tmp_path / "res")
   machine = "--machine=testbed:racks=2,hosts_per_rack=2,host_rate=400mbit,uplink_rate=100mbit"
   assert study("plan", machine, "--jobs=dp@0,2", "--jobs=dp@1,3", f"--out={plan}").returncode == 0
-  r = study("run", f"--plan={plan}", f"--out={res}", "--backend=testbed", "--bytes_scale=0.0015", "--iters=7",
+  r = study("run", f"--plan={plan}", f"--out={res}", "--backend=testbed", "--bytes_scale=0.0015", "--iters=20",
             "--grace=60", "--small_job_threshold=1", timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert "removed testbed" in r.stderr
