@@ -148,7 +148,8 @@ def test_shared_uplink_slows_jobs_down_on_the_testbed(tmp_path):
   table = json.load(open(os.path.join(res, "report", "sigma.json")))
   sigma = table[0]["sigma"]
   # Two flows on one uplink get half of it each: sigma near 2 (1.8-1.9 measured). The interval is left to
-  # the rehearsal in docs/measured-figures.md: 6 samples per job here, some taken while the other job restarts.
+  # the rehearsal in docs/measured-figures.md: ~19 samples per job here, some taken while the other job starts
+  # (20 iterations, not 7: on a busy machine a starved start-up outlasted 7 and the jobs barely overlapped).
   assert sigma["sigma"] > 1.3 and sigma["share_slower"] >= 0.5, sigma
 
 
