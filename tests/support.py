@@ -88,8 +88,8 @@ def interrupt_when_ready(proc: subprocess.Popen, ready, timeout: float = 60) -> 
 def made_once(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
   """Folder `name`, made by `make(folder)` once per test session however many pytest-xdist workers need it (a
   module fixture runs once per worker: a tuning module's sweep ran twice, 40 s each, in the fast suite). The
-  first worker to ask makes it under a lock while the others wait; a failed `make` leaves nothing, so the next
-  worker tries again and fails with its own message."""
+  first worker to ask makes it under a lock while the others wait; a failed `make` leaves no done-marker, so the
+  next worker clears what it left, tries again and fails with its own message."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):
     root = root.parent  # the workers' base folders sit side by side in one session folder

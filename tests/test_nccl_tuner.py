@@ -99,8 +99,8 @@ def test_each_settings_run_gets_its_own_folder_collectives_and_env():
 
 @pytest.fixture(scope="module")
 def settings_run(tmp_path_factory):
-  """A sweep run under NCCL's own choice, Ring and Tree by the toolkit, once for every worker (CPU devices: NCCL
-  is not used, so the settings' times differ by noise only); with what the command printed."""
+  """A sweep run under NCCL's own choice, Ring and Tree by the toolkit, made once and shared by every worker
+  (CPU devices: NCCL is not used, so the settings' times differ by noise only); with what the command printed."""
   def make(out):
     r = run_cli([*SWEEP, "--collectives=all_reduce,all_gather", "--nccl_env=NCCL_ALGO=Ring,Tree", f"--outdir={out}"],
                 timeout=900)

@@ -23,8 +23,8 @@ COLLECTIVES = "all_reduce,all_gather,reduce_scatter,all_to_all,ppermute"
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-  """A CPU sweep made by the toolkit (two emulated nodes of four), once for every worker: every collective XLA's
-  table knows, inside a node and across nodes."""
+  """A CPU sweep made by the toolkit (two emulated nodes of four), made once and shared by every worker: every
+  collective XLA's table knows, inside a node and across nodes."""
   def make(out):
     r = run_cli(["--topology=nodes:2,gpus:4", f"--collectives={COLLECTIVES}", "--scopes=scale_up,scale_out",
                  "--min_bytes=256K", "--max_bytes=1M", "--step_factor=4", "--samples=3", f"--outdir={out}",
