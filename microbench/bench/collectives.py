@@ -29,6 +29,8 @@ from jax import lax
 
 from microbench.bench import ragged_sizes, reduce_ops
 from microbench.bench.known_inputs import FILL, FP8, GroupInputs, as_dtype
+
+BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}  # an element's bits, by its width in bytes
 from microbench.fabric import conventions
 
 REGISTRY: dict[str, "Collective"] = {}
@@ -238,6 +240,11 @@ class Collective(abc.ABC):
 
   def hlo_expect(self, platform: str) -> str:
     return self.hlo_op
+
+  def moves_bits(self, platform: str) -> bool:
+    """The platform's form of the op moves the dtype's bits as unsigned integers of its width (an emulation
+    with no arithmetic, hlo_check.Expectation.bits_ok)."""
+    return False
 
   def impl(self, platform: str) -> str:
     return self.hlo_expect(platform)
@@ -683,6 +690,9 @@ class RaggedAllToAll(Collective):
   def hlo_expect(self, platform):
     return "ragged-all-to-all" if self.native(platform) else "all-to-all"
 
+  def moves_bits(self, platform):
+    return not self.native(platform)
+
   def impl(self, platform):
     if self.native(platform):
       return f"ragged-all-to-all ({self.dist} sizes)"
@@ -737,15 +747,20 @@ class RaggedAllToAll(Collective):
     block = self.layout(x.shape[0], n).block
     # The packing reads the inputs at indices that depend on the buffer's first element (never the dtype's
     # lowest number in a correct output): a loop-invariant gather and all-to-all could be hoisted otherwise.
-    lowest = jnp.iinfo(x.dtype).min if jnp.issubdtype(x.dtype, jnp.integer) else jnp.finfo(x.dtype).min
-    # With one element per rank every index is 0 whatever it adds (a gather from one element is that element),
-    # so the values sent also depend on it, through a select the gather fuses (XLA had hoisted the all-to-all).
-    after = buf[0] == jnp.asarray(lowest, buf.dtype)
+    # The emulation moves the dtype's bits, as unsigned integers of its width (BITS): XLA:CPU computes in no
+    # 8-bit float, and around an fp8 all-to-all it widened each of the n pieces to float16 and back, every one
+    # its own convert (n = 48: 2,300 converts, 3x the compile of float32's program). The same bytes move.
+    dtype, bits = x.dtype, BITS[x.dtype.itemsize]
+    lowest = jnp.iinfo(dtype).min if jnp.issubdtype(dtype, jnp.integer) else jnp.finfo(dtype).min
+    x, buf = lax.bitcast_convert_type(x, bits), lax.bitcast_convert_type(buf, bits)
+    after = buf[0] == lax.bitcast_convert_type(jnp.asarray(lowest, dtype), bits)
     at = jnp.minimum(in_off[r][:, None] + lax.iota(jnp.int32, block)[None, :] + after, x.shape[0] - 1)
     packed = x[at]
-    got = lax.all_to_all(jnp.where(after, -packed, packed), axes, 0, 0, tiled=True)  # [n, block]: row q from q
+    # With one element per rank every index is 0 whatever it adds (a gather from one element is that element),
+    # so the bits sent also depend on it, through a select the gather fuses (XLA had hoisted the all-to-all).
+    got = lax.all_to_all(jnp.where(after, ~packed, packed), axes, 0, 0, tiled=True)  # [n, block]: row q from q
     q, j, used = self._unpack(out_off[:, r], sizes[:, r], lax.iota(jnp.int32, buf.shape[0]))
-    return jnp.where(used, got[q, jnp.minimum(j, block - 1)], buf)
+    return lax.bitcast_convert_type(jnp.where(used, got[q, jnp.minimum(j, block - 1)], buf), dtype)
 
   @staticmethod
   def _unpack(off: jax.Array, size: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

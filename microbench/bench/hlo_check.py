@@ -40,6 +40,7 @@ HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s3
             "float8_e5m2": "f8e5m2"}
 DTYPE_OF = {v: k for k, v in HLO_TYPE.items()}
 WIDER = {"bf16": ("f32",), "f16": ("f32",), "f8e4m3fn": ("f16", "f32"), "f8e5m2": ("f16", "f32")}  # XLA:CPU widens
+BITS_OF = {"f32": "u32", "s32": "u32", "bf16": "u16", "f16": "u16", "f8e4m3fn": "u8", "f8e5m2": "u8"}
 
 
 class HloMismatch(RuntimeError):
@@ -59,6 +60,7 @@ class Expectation:
   outside_max: int = 0     # executions allowed outside loops (a peeled repetition) when in_loop
   copy_limit: int | None = None  # fail on any copy of at least this many elements
   widen_ok: bool = True    # the platform may run 16-bit collectives in float32 (XLA:CPU); never on GPUs
+  bits_ok: bool = False    # an emulation moving the dtype's bits: the op may run on unsigned integers of its width
   # The platform's form of the op writes the message besides the collective (XLA:CPU's tuple all-to-all:
   # slices and a concatenate; the masked all-reduce standing in for a broadcast: a select; float32 converts
   # around a widened 16-bit collective): there only copies fail; the writes are still reported.
@@ -214,7 +216,7 @@ def _wire_types(hlo_text: str, exp: Expectation, matches: list[HloCollective]) -
       packed = True  # XLA:TPU's 8-bit reduction: the same bytes, four to a u32 word, unpacked by its reducer
       continue
     for t in c.element_types:
-      if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())):
+      if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())) and not (exp.bits_ok and t == BITS_OF[asked]):
         raise HloMismatch(f"{exp.op} runs on {t} data, the benchmark asked for {exp.dtype} ({asked}): {c.text[:200]}")
       wire.add(t)
     if c.elements != exp.elements:

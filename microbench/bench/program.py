@@ -203,7 +203,7 @@ def expectation(coll: Collective, scope: ScopePlan, count: int, dtype: str, plat
       # At least 2: the feedback writes one element per repetition, which on a 1-element shard is the message.
       # In place, the one-operation program is read too: whether XLA ran the op in its input's buffer.
       copy_limit=message if timed or coll.inplace else None, strict_writes=not twin,
-      widen_ok=platform == "cpu",
+      widen_ok=platform == "cpu", bits_ok=coll.moves_bits(platform),
       # XLA:CPU's tuple all-to-all, the masked all-reduce standing in for a broadcast and the float32 converts
       # around a widened 16-bit collective write the message next to the collective as part of the op there
       # (GPUs run the array form, collective-broadcast and 16-bit wires: checked strictly).
