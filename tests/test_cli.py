@@ -413,6 +413,34 @@ def test_a_rerun_loads_its_programs_from_the_compilation_cache(tmp_path):
   assert sorted(os.listdir(cache)) == entries
 
 
+def test_cache_entries_are_renamed_into_place_whole(tmp_path, monkeypatch):
+  """Processes sharing a cache folder (a study's concurrent jobs, a host's ranks, the suite's workers) never read
+  half an entry: each is written under a temporary name and renamed into place. JAX's own write (the mutant)
+  writes the entry's name in place: no rename, and this test fails on it."""
+  from jax._src import lru_cache  # pylint: disable=import-outside-toplevel
+  from microbench.bench import compile_cache  # pylint: disable=import-outside-toplevel
+  assert compile_cache.atomic_writes() and compile_cache.atomic_writes()  # a second call keeps the first wrapper
+  renames, real = [], os.replace
+
+  def spy(src, dst):
+    with open(src, "rb") as f:
+      renames.append((f.read(), os.path.exists(dst), os.path.dirname(src) == os.path.dirname(dst)))
+    real(src, dst)
+  monkeypatch.setattr(os, "replace", spy)
+  value = os.urandom(1 << 16)
+
+  def written(put, folder) -> list:
+    renames.clear()
+    cache = lru_cache.LRUCache(str(tmp_path / folder), max_size=-1)
+    put(cache, "key", value)
+    put(cache, "key", b"another value: the first entry stays")
+    assert cache.get("key") == value and os.listdir(tmp_path / folder) == ["key-cache"]
+    return renames[:]
+  atomic = lru_cache.LRUCache.put
+  assert written(atomic, "atomic") == [(value, False, True)]
+  assert written(atomic.jax_put, "jax") == []  # in place
+
+
 def test_the_compilation_cache_stays_off_where_a_real_compile_is_read(monkeypatch):
   from microbench.bench import compile_cache  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("MICROBENCH_COMPILATION_CACHE", "/x/cache")
