@@ -48,7 +48,6 @@ import numpy as np
 from microbench.meshes.scopes import ScopePlan
 from microbench.bench import command_buffer as cmdbuf
 from microbench.bench import device_inputs, hlo_check, known_inputs
-from microbench.bench import collectives
 from microbench.bench.collectives import Collective
 
 CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check stays small
@@ -681,7 +680,7 @@ def replay_check(point: Point, short: Compiled, long: Compiled,
     for shard in twin[acc].addressable_shards:
       p = shard.index[0].start or 0
       wrong[p] |= int(np.asarray(shard.data)[0]) != expected_acc([int(d) for d in chain[:prog.reps, p]], prog.reps)
-  return int(wrong[local].sum()), (f"the short and long programs replayed from the known inputs: final outputs equal"
+  return int(wrong[local].sum()), ("the short and long programs replayed from the known inputs: final outputs equal"
                                    " to their checked twins'")
 
 
