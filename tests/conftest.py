@@ -9,9 +9,8 @@ import os
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# The CLI's --compilation_cache=auto is off in the suite unless the environment names a folder: nothing lands in
-# ~/.cache, and no test depends on another's entries (a loaded program is checked as a compiled one is). The
-# cache's own tests name their folders. `.ci/run` names one folder for all of its test groups.
+# The CLI's --compilation_cache=auto is off in the suite: every test's sweep compiles what it checks, nothing lands
+# in ~/.cache, and no test depends on another's entries. The cache's own tests name their folders.
 os.environ.setdefault("MICROBENCH_COMPILATION_CACHE", "none")
 
 import pytest  # noqa: E402
