@@ -29,10 +29,9 @@ from jax import lax
 
 from microbench.bench import ragged_sizes, reduce_ops
 from microbench.bench.known_inputs import FILL, FP8, GroupInputs, as_dtype
-
-BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}  # an element's bits, by its width in bytes
 from microbench.fabric import conventions
 
+BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}  # an element's bits, by its width in bytes
 REGISTRY: dict[str, "Collective"] = {}
 
 
