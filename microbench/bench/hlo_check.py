@@ -40,7 +40,11 @@ HLO_TYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s3
             "float8_e5m2": "f8e5m2"}
 DTYPE_OF = {v: k for k, v in HLO_TYPE.items()}
 WIDER = {"bf16": ("f32",), "f16": ("f32",), "f8e4m3fn": ("f16", "f32"), "f8e5m2": ("f16", "f32")}  # XLA:CPU widens
-BITS_OF = {"f32": "u32", "s32": "u32", "bf16": "u16", "f16": "u16", "f8e4m3fn": "u8", "f8e5m2": "u8"}
+
+
+def _bits_of(hlo_type: str) -> str:
+  """The unsigned integer type of an HLO type's width (`f8e5m2` -> `u8`, `bf16` -> `u16`, `s32` -> `u32`)."""
+  return "u" + re.match(r"[a-z]+(\d+)", hlo_type).group(1)
 
 
 class HloMismatch(RuntimeError):
@@ -216,7 +220,7 @@ def _wire_types(hlo_text: str, exp: Expectation, matches: list[HloCollective]) -
       packed = True  # XLA:TPU's 8-bit reduction: the same bytes, four to a u32 word, unpacked by its reducer
       continue
     for t in c.element_types:
-      if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())) and not (exp.bits_ok and t == BITS_OF[asked]):
+      if t != asked and not (exp.widen_ok and t in WIDER.get(asked, ())) and not (exp.bits_ok and t == _bits_of(asked)):
         raise HloMismatch(f"{exp.op} runs on {t} data, the benchmark asked for {exp.dtype} ({asked}): {c.text[:200]}")
       wire.add(t)
     if c.elements != exp.elements:

@@ -48,7 +48,7 @@ import numpy as np
 from microbench.meshes.scopes import ScopePlan
 from microbench.bench import command_buffer as cmdbuf
 from microbench.bench import device_inputs, hlo_check, known_inputs
-from microbench.bench.collectives import Collective
+from microbench.bench.collectives import BITS, Collective
 
 CHECK_CHUNK = 1 << 22  # elements compared at a time: host memory for the check stays small
 SHORT_REPS = 2         # operations in the short arm
@@ -334,8 +334,7 @@ def digest(y: jax.Array) -> jax.Array:
   Only the checked twins and the check's helpers digest (never a timed program), so its cost is never
   measured."""
   with jax.named_scope(DIGEST_SCOPE):
-    width = y.dtype.itemsize * 8
-    bits = jax.lax.bitcast_convert_type(y, {32: jnp.uint32, 16: jnp.uint16, 8: jnp.uint8}[width])
+    bits = jax.lax.bitcast_convert_type(y, BITS[y.dtype.itemsize])
     key = jax.lax.iota(jnp.uint32, y.shape[0]) * jnp.uint32(_GOLDEN) + jnp.uint32(_SEED)
     return jnp.sum(mix32(bits.astype(jnp.uint32) + key), dtype=jnp.uint32).reshape(1)
 
