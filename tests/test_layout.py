@@ -213,16 +213,36 @@ def _quickstart_commands() -> list[str]:
   return [line.strip() for b in blocks for line in b.splitlines()[1:] if line.strip() and not line.startswith("#")]
 
 
+CI_VENV = ".ci-venv/bin/python -m pip install"  # CI's second venv, for the extras README leaves out
+
+
+def _quickstart_problems(ci: list[str], commands: list[str]) -> list[str]:
+  """Why CI's lines would not run README's Quickstart literally in a venv holding README's extras only."""
+  missing = [c for c in commands if c not in ci]
+  if missing:
+    return [f"not a line of CI: {c}" for c in missing]
+  positions = [ci.index(c) for c in commands]  # each a line of its own, verbatim
+  problems = [] if positions == sorted(positions) else ["the Quickstart's lines are out of order"]
+  return problems + [f"line {i + 1} installs into the Quickstart's venv before its last command: {line}"
+                     for i, line in enumerate(ci) if "pip install" in line and line not in commands
+                     and CI_VENV not in line and i < max(positions)]
+
+
 def test_ci_runs_readmes_quickstart_literally():
-  """CI runs the Quickstart exactly as a new user types it (fresh venv, README's extras), before any other
-  extra is installed: a README command that fails on a fresh machine fails CI."""
+  """CI runs the Quickstart exactly as a new user types it (fresh venv, README's extras): a README command that
+  fails on a fresh machine fails CI. The other extras go into a venv of CI's own (installed beside the
+  Quickstart), or into the Quickstart's after its last command."""
   ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
   commands = _quickstart_commands()
   assert commands and "python -m pytest -q -n auto tests" in commands
-  positions = [ci.index(c) for c in commands]  # each a line of its own, verbatim
-  assert positions == sorted(positions)
-  first_other_install = min(i for i, line in enumerate(ci) if "pip install" in line and line not in commands)
-  assert max(positions) < first_other_install
+  assert not _quickstart_problems(ci, commands)
+  assert any(CI_VENV in line for line in ci) and not any(CI_VENV in c for c in commands)
+  # Planted: an extra installed into the Quickstart's venv before its fast suite; its lines swapped; one missing.
+  early = [*ci[:ci.index(commands[-1])], "pip install -q -e '.[gpu-compile]'", *ci[ci.index(commands[-1]):]]
+  assert any("installs into the Quickstart's venv" in p for p in _quickstart_problems(early, commands))
+  swapped = [commands[-1] if line == commands[0] else commands[0] if line == commands[-1] else line for line in ci]
+  assert _quickstart_problems(swapped, commands) == ["the Quickstart's lines are out of order"]
+  assert _quickstart_problems([line for line in ci if line != commands[0]], commands)
 
 
 def test_no_file_refers_outside_the_project():
