@@ -279,14 +279,14 @@ def _verify_for(coll, plan):
 
 
 def _among(coll, group) -> bool:
+  """Membership by identity: a mutant equals the real collective it imitates (`Mutant`)."""
   return any(coll is c for c in group)
 
 
 def cells(coll, index: int) -> set[tuple[int, str]]:
   """The (group size, dtype) cells a collective runs in: every cell for a real one; for mutant `index` a walk
   that meets every dtype and every group size it allows (module docstring)."""
-  sizes = OP_GROUP_SIZES if _among(coll, (*OP_MUTANTS, *REAL_OPS)) else GROUP_SIZES  # by identity: a mutant
-  # equals the real collective it imitates
+  sizes = OP_GROUP_SIZES if _among(coll, (*OP_MUTANTS, *REAL_OPS)) else GROUP_SIZES
   dtypes = [d for d in DTYPES if d in getattr(coll, "dtypes", DTYPES) and not coll.refuses(d)]
   if not _among(coll, MUTANTS):
     return {(n, d) for n in sizes for d in dtypes}
