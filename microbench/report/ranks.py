@@ -6,14 +6,21 @@ a process that finishes its part late (a slow host, GPU or NIC; `--inject_delay`
 while the others' stay the reference. A process that drives several GPUs has one timer for all of them:
 per GPU means per process only where each process drives one GPU.
 
-The test: each sample of a point is one call every process timed together, so process p's ratio in sample s
-is its time over the median of the other processes' times in that same sample (paired: a busy machine slows a
-sample for everyone and cancels). Its deviation is the geometric mean of those ratios, with a Student-t
-interval on their logs. t, not order statistics or a bootstrap: a point may stop after 5 samples, where the
-widest order-statistic interval (min, max) covers only 94%. The interval is simultaneous over the point's
-processes (Bonferroni), so 1024 healthy processes do not raise false alarms at every point. A process is
-named when the interval's low end is more than OUTLIER_SHARE slower: slower beyond noise, and by enough to
-matter. Only the slow side is named: with calls started at a barrier the fast ones are the reference."""
+The test: each sample of a point is one call every process timed together, so process p's reference in
+sample s is the median of the other processes' times in that same sample (paired: a busy machine slows a
+sample for everyone and cancels). Two estimates of how much slower p is, each with a Student-t interval:
+by ratio, the geometric mean of its per-sample ratios to the reference (t on the logs), right for a process
+slow by a factor while the machine's load scales every sample; and by difference, its mean time over the
+reference's mean (t on the paired differences), right for a process late by a constant while the shared time
+varies, and the only one where a time by difference is near zero or negative (an operation within the
+per-call noise: there one sample's ratio is meaningless or undefined). A loaded 4-process run showed both: a
+healthy process's negative time and a shared time varying 100x between samples hid a process 20 ms late in
+every sample from the ratio alone. Each process's deviation is the estimate whose interval's low end is
+higher. t, not order statistics or a bootstrap: a point may stop after 5 samples, where the widest
+order-statistic interval (min, max) covers only 94%. The intervals are simultaneous over the point's
+processes and both estimates (Bonferroni), so 1024 healthy processes do not raise false alarms at every
+point. A process is named when the low end is more than OUTLIER_SHARE slower: slower beyond noise, and by
+enough to matter. Only the slow side is named: with calls started at a barrier the fast ones are the reference."""
 
 from __future__ import annotations
 
@@ -45,7 +52,7 @@ class Deviation:
   process: int
   host: str
   point: str       # collective/scope dtype size
-  ratio: float     # geometric mean over samples of its time / the others' median time in the same sample
+  ratio: float     # how much slower than the others' median in the same samples (by ratio or difference)
   lo: float | None  # interval of `ratio`; None: too few samples for one
   hi: float | None
   median_us: float
@@ -80,23 +87,42 @@ def others_median(times: np.ndarray) -> np.ndarray:
   return 0.5 * (lo + hi)
 
 
-def deviation(times_us: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Per process: geometric-mean ratio to the others (paired by sample) and its simultaneous interval (NaN
-  where it has none: fewer than 2 samples, or a time that is not positive, as an unresolved difference)."""
-  procs, n = times_us.shape
-  ref = others_median(times_us)
+def _by_ratio(times_us: np.ndarray, ref: np.ndarray, t: float) -> tuple[np.ndarray, ...]:
+  """Geometric mean of per-sample ratios and its interval (t on the logs); NaN where a time is not positive."""
   with np.errstate(divide="ignore", invalid="ignore"):
     logs = np.log(times_us / ref)
   good = np.isfinite(logs).all(axis=1) & (times_us > 0).all(axis=1) & (ref > 0).all(axis=1)
-  mean = np.where(good, np.mean(np.where(np.isfinite(logs), logs, 0.0), axis=1), np.nan)
-  ratio = np.exp(mean)
-  if n < 2:
-    return ratio, np.full(procs, np.nan), np.full(procs, np.nan)
-  sd = np.std(np.where(np.isfinite(logs), logs, 0.0), axis=1, ddof=1)
-  half = tables._t((1 - CONFIDENCE) / (2 * procs), n - 1) * sd / math.sqrt(n)  # pylint: disable=protected-access
-  lo = np.where(good, np.exp(mean - half), np.nan)
-  hi = np.where(good, np.exp(mean + half), np.nan)
-  return ratio, lo, hi
+  logs = np.where(good[:, None], logs, 0.0)
+  mean = logs.mean(axis=1)
+  half = t * logs.std(axis=1, ddof=1) / math.sqrt(logs.shape[1]) if logs.shape[1] > 1 else np.nan
+  nan = np.full(logs.shape[0], np.nan)
+  return np.where(good, np.exp(mean), nan), np.where(good, np.exp(mean - half), nan), \
+      np.where(good, np.exp(mean + half), nan)
+
+
+def _by_difference(times_us: np.ndarray, ref: np.ndarray, t: float) -> tuple[np.ndarray, ...]:
+  """Mean time over the reference's mean and its interval (t on the paired differences, scaled by that mean);
+  NaN where the reference's mean is not positive (nothing to be slower than)."""
+  diff = times_us - ref
+  scale = ref.mean(axis=1)
+  usable = scale > 0
+  safe = np.where(usable, scale, 1.0)
+  ratio = np.where(usable, 1 + diff.mean(axis=1) / safe, np.nan)
+  half = t * diff.std(axis=1, ddof=1) / math.sqrt(diff.shape[1]) if diff.shape[1] > 1 else np.nan
+  return ratio, np.where(usable, ratio - half / safe, np.nan), np.where(usable, ratio + half / safe, np.nan)
+
+
+def deviation(times_us: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per process: how much slower than the others (paired by sample) and the simultaneous interval, by ratio
+  or by difference, whichever interval's low end is higher (NaN where neither has one: fewer than 2 samples,
+  or no positive reference)."""
+  procs, n = times_us.shape
+  ref = others_median(times_us)
+  t = tables._t((1 - CONFIDENCE) / (2 * 2 * procs), n - 1) if n > 1 else np.nan  # pylint: disable=protected-access
+  r_ratio, lo_ratio, hi_ratio = _by_ratio(times_us, ref, t)
+  r_diff, lo_diff, hi_diff = _by_difference(times_us, ref, t)
+  pick = np.isnan(r_ratio) | (lo_diff > lo_ratio)  # a NaN low end compares False: the ratio where it has one
+  return (np.where(pick, r_diff, r_ratio), np.where(pick, lo_diff, lo_ratio), np.where(pick, hi_diff, hi_ratio))
 
 
 def point_label(r: dict[str, Any]) -> str:
@@ -204,8 +230,8 @@ def markdown(label: str, a: Analysis) -> str:
       "## Per node", "",
       tables.markdown(NODE_HEADERS, node_rows(a)), "",
       "## Outliers", "",
-      f"Processes more than {OUTLIER_SHARE:.0%} slower than the median of the others (geometric mean of"
-      f" per-sample ratios); interval {CONFIDENCE:.0%} simultaneous over the point's processes; resolved when"
+      f"Processes more than {OUTLIER_SHARE:.0%} slower than the median of the others in the same samples (by"
+      f" ratio or by difference, whichever resolves more); interval {CONFIDENCE:.0%} simultaneous over the point's processes; resolved when"
       f" its low end is above +{OUTLIER_SHARE:.0%}. {unresolved} within noise.", "",
       tables.markdown(OUTLIER_HEADERS, rows) if rows else "none", "",
       *([f"... {more} more row(s)", ""] if more > 0 else []),
