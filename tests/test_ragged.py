@@ -387,7 +387,7 @@ def test_all_stays_the_six_and_the_ragged_ones_are_listed_by_name():
 def sweep_records(tmp_path_factory):
   out = tmp_path_factory.mktemp("ragged") / "run"
   r = run_cli([f"--collectives={','.join(collectives.RAGGED)}", "--scopes=scale_up,global", "--min_bytes=1K",
-               "--max_bytes=16K", "--step_factor=16", "--samples=3", f"--outdir={out}"], timeout=400)
+               "--max_bytes=1K", "--samples=3", f"--outdir={out}"], timeout=400)
   assert r.returncode == 0, r.stderr[-2000:]
   return [json.loads(line) for line in open(out / "results.jsonl")], r.stdout
 
@@ -395,10 +395,12 @@ def sweep_records(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", collectives.RAGGED)
 def test_the_sweep_records_every_distribution_ok_and_checked(sweep_records, name):
-  """On 8 CPU devices: every point ok, its check and every timed repetition exact, busbw by the convention."""
+  """On 8 CPU devices: every point ok, its check and every timed repetition exact, busbw by the convention.
+  One size: a second (16K) was 43 of the fixture's 77 CPU-s, compiles for what the same-records sweep
+  (ragged_all_to_all, 1K to 64K) and the layout tests over counts already cover."""
   recs, stdout = sweep_records
   mine = [x for x in recs if x["collective"] == name]
-  assert len(mine) == 4, [x["collective"] for x in recs]  # 2 scopes x 2 sizes
+  assert len(mine) == 2, [x["collective"] for x in recs]  # 2 scopes x 1 size
   for x in mine:
     assert x["status"] == "ok" and x["wrong"] == 0 and x["timed_wrong"] == 0, x
     assert "padded all-to-all" in x["impl"]
