@@ -102,8 +102,7 @@ def test_a_slow_process_is_named_with_its_host_and_healthy_ones_are_not(monkeypa
     recs.append(_record(t, nbytes))
   real = ranks.deviation
   with monkeypatch.context() as m:
-    m.setattr(ranks, "deviation", lambda x: ranks._by_difference(  # pylint: disable=protected-access
-        x, ranks.others_median(x), ranks.tables._t((1 - ranks.CONFIDENCE) / (2 * x.shape[0]), x.shape[1] - 1)))  # pylint: disable=protected-access
+    m.setattr(ranks, "deviation", _alone(ranks._by_difference))  # pylint: disable=protected-access
     assert len(ranks.named(ranks.analyse(recs, _meta(hosts))).get(9, [])) < 3
   assert ranks.deviation is real
   a = ranks.analyse(recs, _meta(hosts))
@@ -162,19 +161,13 @@ def _late_by_difference(procs, samples, rng, late=None, delay_us=20000.0):
   return t
 
 
-def _log_ratio_deviation(times_us):
-  """The first design, a mutant here: the geometric mean of per-sample ratios, a t interval on their logs."""
-  procs, n = times_us.shape
-  ref = ranks.others_median(times_us)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    logs = np.log(times_us / ref)
-  good = np.isfinite(logs).all(axis=1)
-  logs = np.where(good[:, None], logs, 0.0)
-  half = ranks.tables._t((1 - ranks.CONFIDENCE) / (2 * procs), n - 1) * logs.std(axis=1, ddof=1) / np.sqrt(n)  # pylint: disable=protected-access
-  mean = logs.mean(axis=1)
-  nan = np.full(procs, np.nan)
-  return (np.where(good, np.exp(mean), nan), np.where(good, np.exp(mean - half), nan),
-          np.where(good, np.exp(mean + half), nan))
+def _alone(estimate):
+  """A mutant `deviation`: one of the two estimates alone, its interval simultaneous over the processes only."""
+  def deviation(times_us):
+    procs, n = times_us.shape
+    t = ranks.tables._t((1 - ranks.CONFIDENCE) / (2 * procs), n - 1)  # pylint: disable=protected-access
+    return estimate(times_us, ranks.others_median(times_us), t)
+  return deviation
 
 
 def _named_over_seeds(late):
@@ -194,7 +187,7 @@ def test_a_late_process_is_named_where_times_by_difference_are_noisy_or_negative
   it in a quarter of the seeds or more."""
   assert _named_over_seeds(late=2) == 40
   assert _named_over_seeds(late=None) == 40
-  monkeypatch.setattr(ranks, "deviation", _log_ratio_deviation)
+  monkeypatch.setattr(ranks, "deviation", _alone(ranks._by_ratio))  # pylint: disable=protected-access
   assert _named_over_seeds(late=2) < 30
 
 

@@ -89,7 +89,7 @@ def first_difference(got: str, want: str) -> str | None:
   try:
     if same(json.loads(got), json.loads(want)):  # one indented document
       return None
-  except json.JSONDecodeError:
+  except json.JSONDecodeError:  # JSON lines: compared line by line below
     pass
   g, w = got.splitlines(), want.splitlines()
   i = next((i for i, (a, b) in enumerate(zip(g, w)) if _line_differs(a, b)), min(len(g), len(w)))

@@ -231,8 +231,9 @@ def markdown(label: str, a: Analysis) -> str:
       tables.markdown(NODE_HEADERS, node_rows(a)), "",
       "## Outliers", "",
       f"Processes more than {OUTLIER_SHARE:.0%} slower than the median of the others in the same samples (by"
-      f" ratio or by difference, whichever resolves more); interval {CONFIDENCE:.0%} simultaneous over the point's processes; resolved when"
-      f" its low end is above +{OUTLIER_SHARE:.0%}. {unresolved} within noise.", "",
+      f" ratio or by difference, whichever resolves more); interval {CONFIDENCE:.0%} simultaneous over the"
+      f" point's processes; resolved when its low end is above +{OUTLIER_SHARE:.0%}. {unresolved} within noise.",
+      "",
       tables.markdown(OUTLIER_HEADERS, rows) if rows else "none", "",
       *([f"... {more} more row(s)", ""] if more > 0 else []),
   ])
